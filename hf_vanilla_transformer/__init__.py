@@ -1,0 +1,42 @@
+"""hf_vanilla_transformer: the "Attention Is All You Need" Transformer and its variants as a transformers model.
+
+Importing the package registers the config and models with transformers' Auto classes.
+"""
+
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForSeq2SeqLM,
+    AutoModelForSequenceClassification,
+)
+
+from .configuration_vanilla_transformer import VanillaTransformerConfig
+from .modeling_vanilla_transformer import (
+    VanillaTransformerForCausalLM,
+    VanillaTransformerForConditionalGeneration,
+    VanillaTransformerForSequenceClassification,
+    VanillaTransformerModel,
+    VanillaTransformerPreTrainedModel,
+)
+
+AutoConfig.register(VanillaTransformerConfig.model_type, VanillaTransformerConfig, exist_ok=True)
+VanillaTransformerConfig.register_for_auto_class()
+for _auto_class, _model_class in [
+    (AutoModel, VanillaTransformerModel),
+    (AutoModelForSeq2SeqLM, VanillaTransformerForConditionalGeneration),
+    (AutoModelForCausalLM, VanillaTransformerForCausalLM),
+    (AutoModelForSequenceClassification, VanillaTransformerForSequenceClassification),
+]:
+    _auto_class.register(VanillaTransformerConfig, _model_class, exist_ok=True)
+    _model_class.register_for_auto_class(_auto_class.__name__)  # save_pretrained copies the code files
+
+__version__ = "0.1.0"
+__all__ = [
+    "VanillaTransformerConfig",
+    "VanillaTransformerPreTrainedModel",
+    "VanillaTransformerModel",
+    "VanillaTransformerForConditionalGeneration",
+    "VanillaTransformerForCausalLM",
+    "VanillaTransformerForSequenceClassification",
+]

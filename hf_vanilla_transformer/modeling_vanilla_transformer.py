@@ -1,0 +1,676 @@
+"""The Transformer of "Attention Is All You Need" (Vaswani et al., 2017) as a transformers 5.x model, with its variants.
+
+Section numbers in comments refer to the paper. Attention goes through transformers' attention interface (eager, sdpa,
+flash, flex); masks come from `transformers.masking_utils`; the decoder cache is an `EncoderDecoderCache`.
+"""
+
+from collections.abc import Callable
+from typing import Literal
+
+import torch
+from torch import nn
+from transformers import initialization as init
+from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
+from transformers.generation import GenerationMixin
+from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import (
+    BaseModelOutput,
+    BaseModelOutputWithPastAndCrossAttentions,
+    CausalLMOutputWithPast,
+    Seq2SeqLMOutput,
+    Seq2SeqModelOutput,
+    SequenceClassifierOutput,
+)
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
+from transformers.models.bart.modeling_bart import shift_tokens_right
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, eager_attention_forward
+from transformers.processing_utils import Unpack
+from transformers.utils import TransformersKwargs, can_return_tuple, is_torchdynamo_compiling
+from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils.output_capturing import OutputRecorder, capture_outputs
+
+from .configuration_vanilla_transformer import VanillaTransformerConfig
+from .feed_forward_vanilla_transformer import build_feed_forward
+from .norms_vanilla_transformer import SublayerConnection, build_norm, deepnorm_constants, has_final_norm
+from .positions_vanilla_transformer import POSITION_EMBEDDINGS
+
+Stack = Literal["encoder", "decoder"]
+
+
+def check_padding_mask(mask: torch.Tensor | None, expected_shape: tuple[int, int], name: str) -> None:
+    """A 2D padding mask must be (batch, keys); 4D masks are taken as already built."""
+    if mask is not None and mask.dim() == 2 and tuple(mask.shape) != tuple(expected_shape):
+        raise ValueError(f"{name} has shape {tuple(mask.shape)}, expected (batch, length) = {tuple(expected_shape)}.")
+
+
+class ScaledWordEmbedding(nn.Embedding):
+    """Token embedding multiplied by sqrt(d_model) (§3.4), rejecting ids outside the vocabulary."""
+
+    def __init__(self, config: VanillaTransformerConfig):
+        super().__init__(config.vocab_size, config.d_model, padding_idx=config.pad_token_id)
+        self.embed_scale = config.d_model**0.5 if config.scale_embedding else 1.0
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        # One fused comparison and one host sync: cheap next to a decoder step, and the alternative is a silent
+        # out-of-bounds read on GPU or an opaque IndexError on CPU.
+        if not is_torchdynamo_compiling() and bool(((input_ids < 0) | (input_ids >= self.num_embeddings)).any()):
+            bad = input_ids[(input_ids < 0) | (input_ids >= self.num_embeddings)]
+            raise ValueError(
+                f"Token id {int(bad[0])} is outside the vocabulary: ids must be in [0, vocab_size={self.num_embeddings})."
+            )
+        return super().forward(input_ids) * self.embed_scale
+
+
+class VanillaTransformerAttention(nn.Module):
+    """Multi-head scaled dot-product attention (§3.2), with grouped K/V heads when `num_key_value_heads` is set."""
+
+    def __init__(self, config: VanillaTransformerConfig, num_heads: int, is_causal: bool, layer_idx: int | None = None):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.is_causal = is_causal  # read by the sdpa/flash integrations; False for encoder and cross-attention
+        self.head_dim = config.d_model // num_heads
+        num_key_value_heads = config.num_key_value_heads or num_heads
+        self.num_key_value_groups = num_heads // num_key_value_heads
+        self.scaling = self.head_dim**-0.5  # 1 / sqrt(d_k), §3.2.1
+        self.attention_dropout = config.attention_dropout
+        self.q_proj = nn.Linear(config.d_model, num_heads * self.head_dim, bias=config.use_bias)
+        self.k_proj = nn.Linear(config.d_model, num_key_value_heads * self.head_dim, bias=config.use_bias)
+        self.v_proj = nn.Linear(config.d_model, num_key_value_heads * self.head_dim, bias=config.use_bias)
+        self.out_proj = nn.Linear(num_heads * self.head_dim, config.d_model, bias=config.use_bias)
+
+    def _project(self, projection: nn.Linear, states: torch.Tensor) -> torch.Tensor:
+        return projection(states).view(*states.shape[:-1], -1, self.head_dim).transpose(1, 2)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        key_value_states: torch.Tensor | None = None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        past_key_values: Cache | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        is_cross_attention = key_value_states is not None
+        query = self._project(self.q_proj, hidden_states)
+
+        cache, cross_cached = past_key_values, False
+        if isinstance(past_key_values, EncoderDecoderCache):
+            cross_cached = is_cross_attention and past_key_values.is_updated.get(self.layer_idx, False)
+            cache = past_key_values.cross_attention_cache if is_cross_attention else past_key_values.self_attention_cache
+
+        if cross_cached:  # the encoder output does not change while decoding: its K/V are projected once
+            key, value = cache.layers[self.layer_idx].keys, cache.layers[self.layer_idx].values
+        else:
+            source = key_value_states if is_cross_attention else hidden_states
+            key, value = self._project(self.k_proj, source), self._project(self.v_proj, source)
+            if position_embeddings is not None:  # RoPE: rotate before caching, so cached keys keep their positions
+                query, key = apply_rotary_pos_emb(query, key, *position_embeddings)
+            if cache is not None:
+                key, value = cache.update(key, value, self.layer_idx)
+                if is_cross_attention:
+                    past_key_values.is_updated[self.layer_idx] = True
+
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+        attn_output, attn_weights = attention_interface(
+            self,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=self.attention_dropout if self.training else 0.0,
+            scaling=self.scaling,
+            **kwargs,
+        )
+        attn_output = attn_output.reshape(*hidden_states.shape[:-1], -1).contiguous()
+        return self.out_proj(attn_output), attn_weights
+
+
+def build_mlp(config: VanillaTransformerConfig, stack: Stack, layer_idx: int) -> nn.Module:
+    """The position-wise FFN of one layer (§3.3)."""
+    return build_feed_forward(config, config.encoder_ffn_dim if stack == "encoder" else config.decoder_ffn_dim)
+
+
+def residual_scale(config: VanillaTransformerConfig, stack: Stack) -> float:
+    return deepnorm_constants(config, stack)[0] if config.norm_position == "deepnorm" else 1.0
+
+
+class VanillaTransformerEncoderLayer(GradientCheckpointingLayer):
+    """Self-attention then FFN, each wrapped in dropout, residual and norm (§3.1)."""
+
+    def __init__(self, config: VanillaTransformerConfig, layer_idx: int):
+        super().__init__()
+        alpha = residual_scale(config, "encoder")
+        self.self_attn = VanillaTransformerAttention(config, config.encoder_attention_heads, False, layer_idx)
+        self.self_attn_connection = SublayerConnection(config, alpha)
+        self.mlp = build_mlp(config, "encoder", layer_idx)
+        self.mlp_connection = SublayerConnection(config, alpha)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> torch.Tensor:
+        def self_attention(x):
+            return self.self_attn(x, attention_mask, position_embeddings=position_embeddings, **kwargs)[0]
+
+        hidden_states = self.self_attn_connection(hidden_states, self_attention)
+        return self.mlp_connection(hidden_states, self.mlp)
+
+
+class VanillaTransformerDecoderLayer(GradientCheckpointingLayer):
+    """Masked self-attention, attention over the encoder output (absent when decoder-only), then FFN (§3.1)."""
+
+    def __init__(self, config: VanillaTransformerConfig, layer_idx: int):
+        super().__init__()
+        alpha = residual_scale(config, "decoder")
+        self.self_attn = VanillaTransformerAttention(config, config.decoder_attention_heads, True, layer_idx)
+        self.self_attn_connection = SublayerConnection(config, alpha)
+        if config.is_encoder_decoder:
+            self.encoder_attn = VanillaTransformerAttention(config, config.decoder_attention_heads, False, layer_idx)
+            self.encoder_attn_connection = SublayerConnection(config, alpha)
+        self.mlp = build_mlp(config, "decoder", layer_idx)
+        self.mlp_connection = SublayerConnection(config, alpha)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        encoder_hidden_states: torch.Tensor | None = None,
+        encoder_attention_mask: torch.Tensor | None = None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        past_key_values: Cache | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> torch.Tensor:
+        def self_attention(x):
+            return self.self_attn(
+                x, attention_mask, position_embeddings=position_embeddings, past_key_values=past_key_values, **kwargs
+            )[0]
+
+        def cross_attention(x):
+            return self.encoder_attn(
+                x, encoder_attention_mask, key_value_states=encoder_hidden_states, past_key_values=past_key_values,
+                **kwargs,
+            )[0]
+
+        hidden_states = self.self_attn_connection(hidden_states, self_attention)
+        if encoder_hidden_states is not None:
+            hidden_states = self.encoder_attn_connection(hidden_states, cross_attention)
+        return self.mlp_connection(hidden_states, self.mlp)
+
+
+DEEPNORM_SCALED_PROJECTIONS = ("v_proj", "out_proj", "fc1", "fc2", "gate_proj", "up_proj", "down_proj")
+
+
+class VanillaTransformerPreTrainedModel(PreTrainedModel):
+    config: VanillaTransformerConfig
+    config_class = VanillaTransformerConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["VanillaTransformerEncoderLayer", "VanillaTransformerDecoderLayer"]
+    _skip_keys_device_placement = ["past_key_values"]
+    _supports_sdpa = True
+    _supports_flash_attn = True
+    _supports_flex_attn = True
+    _supports_attention_backend = True
+    _can_compile_fullgraph = True
+    # Auto class -> model class that can load a checkpoint of this class; written into `config.auto_map`.
+    _auto_map: dict[str, str] = {}
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            init.xavier_uniform_(module.weight)  # as torch.nn.Transformer and the Annotated Transformer
+            if module.bias is not None:
+                init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            # N(0, 1/d_model): after the sqrt(d_model) scaling of §3.4 token vectors have unit variance (fairseq).
+            init.normal_(module.weight, std=self.config.d_model**-0.5)
+            if module.padding_idx is not None and not getattr(module.weight, "_is_hf_initialized", False):
+                init.zeros_(module.weight[module.padding_idx])
+        elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+            init.ones_(module.weight)
+            if getattr(module, "bias", None) is not None:
+                init.zeros_(module.bias)
+        elif isinstance(module, VanillaTransformerEncoderLayer | VanillaTransformerDecoderLayer):
+            if self.config.norm_position == "deepnorm":
+                self._init_deepnorm_layer(module)
+
+    def _init_deepnorm_layer(self, layer: nn.Module) -> None:
+        """DeepNet init (Wang et al. 2022, Figure 2): Xavier-normal with gain beta for the FFN and the value and
+        output projections, gain 1 for queries and keys. Runs after the layer's children were initialised."""
+        stack = "encoder" if isinstance(layer, VanillaTransformerEncoderLayer) else "decoder"
+        beta = deepnorm_constants(self.config, stack)[1]
+        for name, module in layer.named_modules():
+            if isinstance(module, nn.Linear):
+                gain = beta if name.rsplit(".", 1)[-1] in DEEPNORM_SCALED_PROJECTIONS else 1.0
+                init.xavier_normal_(module.weight, gain=gain)
+
+    def _set_auto_map(self) -> None:
+        """Every saved checkpoint names, in `auto_map`, all the Auto classes that can load it, not only its own
+        (transformers writes only the saved class's entry; hf-v5-plugin-notes §1.1)."""
+        self.config.auto_map = {
+            "AutoConfig": "configuration_vanilla_transformer.VanillaTransformerConfig",
+            **{auto_class: f"modeling_vanilla_transformer.{name}" for auto_class, name in self._auto_map.items()},
+        }
+
+
+class VanillaTransformerEncoder(VanillaTransformerPreTrainedModel):
+    """The encoder stack: N identical layers over the embedded source (§3.1)."""
+
+    _can_record_outputs = {
+        "hidden_states": VanillaTransformerEncoderLayer,
+        "attentions": VanillaTransformerAttention,
+    }
+
+    def __init__(self, config: VanillaTransformerConfig):
+        super().__init__(config)
+        self.embed_tokens = ScaledWordEmbedding(config)
+        head_dim = config.d_model // config.encoder_attention_heads
+        self.embed_positions = POSITION_EMBEDDINGS[config.position_embedding_type](config, head_dim)
+        self.dropout = nn.Dropout(config.dropout)  # on the sums of embeddings and positions, §5.4
+        self.layers = nn.ModuleList([VanillaTransformerEncoderLayer(config, i) for i in range(config.encoder_layers)])
+        self.layer_norm = build_norm(config) if has_final_norm(config) else None
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    @merge_with_config_defaults
+    @capture_outputs
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> BaseModelOutput:
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Pass exactly one of input_ids or inputs_embeds to the encoder.")
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        check_padding_mask(attention_mask, inputs_embeds.shape[:2], "attention_mask")
+        if position_ids is None:
+            position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device)
+        hidden_states, rotary = self.embed_positions(inputs_embeds, position_ids)
+        hidden_states = self.dropout(hidden_states)
+
+        attention_mask = create_bidirectional_mask(
+            config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask
+        )
+        for layer in self.layers:
+            hidden_states = layer(hidden_states, attention_mask, rotary, **kwargs)
+        if self.layer_norm is not None:
+            hidden_states = self.layer_norm(hidden_states)
+        return BaseModelOutput(last_hidden_state=hidden_states)
+
+
+class VanillaTransformerDecoder(VanillaTransformerPreTrainedModel):
+    """The decoder stack (§3.1); without cross-attention when `config.is_encoder_decoder` is False (decoder-only)."""
+
+    _can_record_outputs = {
+        "hidden_states": VanillaTransformerDecoderLayer,
+        "attentions": OutputRecorder(VanillaTransformerAttention, index=1, layer_name="self_attn"),
+        "cross_attentions": OutputRecorder(VanillaTransformerAttention, index=1, layer_name="encoder_attn"),
+    }
+
+    def __init__(self, config: VanillaTransformerConfig):
+        super().__init__(config)
+        self.embed_tokens = ScaledWordEmbedding(config)
+        head_dim = config.d_model // config.decoder_attention_heads
+        self.embed_positions = POSITION_EMBEDDINGS[config.position_embedding_type](config, head_dim)
+        self.dropout = nn.Dropout(config.dropout)
+        self.layers = nn.ModuleList([VanillaTransformerDecoderLayer(config, i) for i in range(config.decoder_layers)])
+        self.layer_norm = build_norm(config) if has_final_norm(config) else None
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    @merge_with_config_defaults
+    @capture_outputs
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        encoder_hidden_states: torch.Tensor | None = None,
+        encoder_attention_mask: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> BaseModelOutputWithPastAndCrossAttentions:
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Pass exactly one of decoder_input_ids or decoder_inputs_embeds to the decoder.")
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        if use_cache and past_key_values is None:
+            past_key_values = (
+                EncoderDecoderCache(DynamicCache(config=self.config), DynamicCache(config=self.config))
+                if self.config.is_encoder_decoder
+                else DynamicCache(config=self.config)
+            )
+        batch_size, length = inputs_embeds.shape[:2]
+        past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
+        check_padding_mask(attention_mask, (batch_size, past_length + length), "decoder_attention_mask")
+        if encoder_hidden_states is not None:
+            check_padding_mask(encoder_attention_mask, encoder_hidden_states.shape[:2], "attention_mask (source)")
+        if position_ids is None:
+            position_ids = torch.arange(length, device=inputs_embeds.device) + past_length
+        hidden_states, rotary = self.embed_positions(inputs_embeds, position_ids)
+        hidden_states = self.dropout(hidden_states)
+
+        self_attention_cache = (
+            past_key_values.self_attention_cache
+            if isinstance(past_key_values, EncoderDecoderCache)
+            else past_key_values
+        )
+        attention_mask = create_causal_mask(
+            config=self.config,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            past_key_values=self_attention_cache,
+        )
+        if encoder_hidden_states is not None:
+            encoder_attention_mask = create_bidirectional_mask(
+                config=self.config,
+                inputs_embeds=inputs_embeds,
+                attention_mask=encoder_attention_mask,
+                encoder_hidden_states=encoder_hidden_states,
+            )
+        for layer in self.layers:
+            hidden_states = layer(
+                hidden_states,
+                attention_mask,
+                encoder_hidden_states,  # positional: activation checkpointing only passes grads through positionals
+                encoder_attention_mask=encoder_attention_mask,
+                position_embeddings=rotary,
+                past_key_values=past_key_values,
+                **kwargs,
+            )
+        if self.layer_norm is not None:
+            hidden_states = self.layer_norm(hidden_states)
+        return BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=hidden_states, past_key_values=past_key_values)
+
+
+SEQ2SEQ_AUTO_MAP = {
+    "AutoModel": "VanillaTransformerModel",
+    "AutoModelForSeq2SeqLM": "VanillaTransformerForConditionalGeneration",
+}
+
+
+class VanillaTransformerModel(VanillaTransformerPreTrainedModel):
+    """Encoder-decoder without a head. `shared` is the target embedding, and also the source one by default (§3.4)."""
+
+    _auto_map = SEQ2SEQ_AUTO_MAP
+
+    def __init__(self, config: VanillaTransformerConfig):
+        super().__init__(config)
+        self.shared = ScaledWordEmbedding(config)
+        self.encoder = VanillaTransformerEncoder(config)
+        self.decoder = VanillaTransformerDecoder(config)
+        self._set_auto_map()
+        self.post_init()
+
+    def get_expanded_tied_weights_keys(self, all_submodels: bool = False) -> dict:
+        # Source/target sharing is its own switch (share_encoder_decoder_embeddings); transformers' generic mapping
+        # would gate it on tie_word_embeddings, which only concerns the pre-softmax projection.
+        if all_submodels:
+            return super().get_expanded_tied_weights_keys(all_submodels=True)
+        tied = {"decoder.embed_tokens.weight": "shared.weight"}
+        if self.config.share_encoder_decoder_embeddings:
+            tied["encoder.embed_tokens.weight"] = "shared.weight"
+        return tied
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.shared
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.shared = self.decoder.embed_tokens = value
+        if self.config.share_encoder_decoder_embeddings:
+            self.encoder.embed_tokens = value
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        decoder_input_ids: torch.LongTensor | None = None,
+        decoder_attention_mask: torch.Tensor | None = None,
+        encoder_outputs: BaseModelOutput | tuple | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        decoder_inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> Seq2SeqModelOutput:
+        if encoder_outputs is None:
+            encoder_outputs = self.encoder(
+                input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds, **kwargs
+            )
+        elif not isinstance(encoder_outputs, BaseModelOutput):
+            encoder_outputs = BaseModelOutput(*encoder_outputs)
+        decoder_outputs = self.decoder(
+            input_ids=decoder_input_ids,
+            attention_mask=decoder_attention_mask,
+            encoder_hidden_states=encoder_outputs.last_hidden_state,
+            encoder_attention_mask=attention_mask,
+            past_key_values=past_key_values,
+            inputs_embeds=decoder_inputs_embeds,
+            use_cache=use_cache,
+            **kwargs,
+        )
+        return Seq2SeqModelOutput(
+            last_hidden_state=decoder_outputs.last_hidden_state,
+            past_key_values=decoder_outputs.past_key_values,
+            decoder_hidden_states=decoder_outputs.hidden_states,
+            decoder_attentions=decoder_outputs.attentions,
+            cross_attentions=decoder_outputs.cross_attentions,
+            encoder_last_hidden_state=encoder_outputs.last_hidden_state,
+            encoder_hidden_states=encoder_outputs.hidden_states,
+            encoder_attentions=encoder_outputs.attentions,
+        )
+
+
+def lm_logits(lm_head: nn.Linear, hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
+    """The pre-softmax projection, on the last `logits_to_keep` positions only (0 = all) to spare the vocab matmul."""
+    keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+    return lm_head(hidden_states[:, keep, :])
+
+
+class VanillaTransformerForConditionalGeneration(VanillaTransformerPreTrainedModel, GenerationMixin):
+    """Encoder-decoder with the pre-softmax projection tied to the shared embedding (§3.4): the translation model."""
+
+    _tied_weights_keys = {"lm_head.weight": "model.shared.weight"}
+    _auto_map = SEQ2SEQ_AUTO_MAP
+
+    def __init__(self, config: VanillaTransformerConfig):
+        super().__init__(config)
+        self.model = VanillaTransformerModel(config)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=config.lm_head_bias)
+        # Labels are aligned with the decoder outputs already; the class-name default (ForCausalLM) would shift them.
+        self.loss_type = "ForMaskedLM"
+        self._set_auto_map()
+        self.post_init()
+
+    def resize_token_embeddings(self, new_num_tokens=None, pad_to_multiple_of=None, mean_resizing=True) -> nn.Embedding:
+        embeddings = super().resize_token_embeddings(new_num_tokens, pad_to_multiple_of, mean_resizing)
+        bias = self.lm_head.bias
+        if bias is not None and bias.shape[0] != embeddings.num_embeddings:  # a tied head keeps its old bias
+            new_bias = bias.new_zeros(embeddings.num_embeddings)
+            kept = min(bias.shape[0], new_bias.shape[0])
+            new_bias[:kept] = bias.data[:kept]
+            self.lm_head.bias = nn.Parameter(new_bias)
+        return embeddings
+
+    def prepare_decoder_input_ids_from_labels(self, labels: torch.Tensor) -> torch.Tensor:
+        return shift_tokens_right(labels, self.config.pad_token_id, self.config.decoder_start_token_id)
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        decoder_input_ids: torch.LongTensor | None = None,
+        decoder_attention_mask: torch.Tensor | None = None,
+        encoder_outputs: BaseModelOutput | tuple | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        decoder_inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> Seq2SeqLMOutput:
+        r"""
+        labels (`torch.LongTensor` of shape `(batch_size, target_length)`, *optional*):
+            Target token ids, -100 where ignored. Without `decoder_input_ids` the decoder input is `labels` shifted
+            right behind `decoder_start_token_id` (teacher forcing).
+        """
+        if labels is not None and decoder_input_ids is None and decoder_inputs_embeds is None:
+            decoder_input_ids = self.prepare_decoder_input_ids_from_labels(labels)
+        outputs = self.model(
+            input_ids,
+            attention_mask=attention_mask,
+            decoder_input_ids=decoder_input_ids,
+            decoder_attention_mask=decoder_attention_mask,
+            encoder_outputs=encoder_outputs,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            decoder_inputs_embeds=decoder_inputs_embeds,
+            use_cache=use_cache,
+            **kwargs,
+        )
+        logits = lm_logits(self.lm_head, outputs.last_hidden_state, logits_to_keep)
+        loss = None
+        if labels is not None:
+            # Summed over tokens and divided by num_items_in_batch when the Trainer passes it: exact under
+            # gradient accumulation, unlike a per-batch mean.
+            loss = self.loss_function(logits, labels, vocab_size=self.config.vocab_size, **kwargs)
+        return Seq2SeqLMOutput(
+            loss=loss,
+            logits=logits,
+            past_key_values=outputs.past_key_values,
+            decoder_hidden_states=outputs.decoder_hidden_states,
+            decoder_attentions=outputs.decoder_attentions,
+            cross_attentions=outputs.cross_attentions,
+            encoder_last_hidden_state=outputs.encoder_last_hidden_state,
+            encoder_hidden_states=outputs.encoder_hidden_states,
+            encoder_attentions=outputs.encoder_attentions,
+        )
+
+
+def single_stack_config(config: VanillaTransformerConfig) -> VanillaTransformerConfig:
+    """A copy of `config` for a decoder-only or encoder-only model (no cross-attention, GenerationMixin's causal path)."""
+    config = config.__class__.from_dict(config.to_dict())
+    config.is_encoder_decoder = False
+    return config
+
+
+class VanillaTransformerForCausalLM(VanillaTransformerPreTrainedModel, GenerationMixin):
+    """Decoder-only language model (GPT-style): the decoder stack without cross-attention, and a tied LM head."""
+
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _auto_map = {"AutoModelForCausalLM": "VanillaTransformerForCausalLM"}
+
+    def __init__(self, config: VanillaTransformerConfig):
+        config = single_stack_config(config)
+        super().__init__(config)
+        self.model = VanillaTransformerDecoder(config)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=config.lm_head_bias)
+        self._set_auto_map()
+        self.post_init()
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> CausalLMOutputWithPast:
+        r"""
+        labels (`torch.LongTensor` of shape `(batch_size, length)`, *optional*):
+            Usually `input_ids`; they are shifted inside the loss, -100 where ignored.
+        """
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            **kwargs,
+        )
+        logits = lm_logits(self.lm_head, outputs.last_hidden_state, logits_to_keep)
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits, labels, vocab_size=self.config.vocab_size, **kwargs)
+        return CausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
+
+
+class VanillaTransformerForSequenceClassification(VanillaTransformerPreTrainedModel):
+    """Encoder-only classifier (BERT-style): the encoder stack, a pooled vector, and a linear classifier."""
+
+    _auto_map = {"AutoModelForSequenceClassification": "VanillaTransformerForSequenceClassification"}
+
+    def __init__(self, config: VanillaTransformerConfig):
+        config = single_stack_config(config)
+        super().__init__(config)
+        self.model = VanillaTransformerEncoder(config)
+        self.dropout = nn.Dropout(config.classifier_dropout)
+        self.classifier = nn.Linear(config.d_model, config.num_labels)
+        self._set_auto_map()
+        self.post_init()
+
+    def pool(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """Mean over non-padding tokens (`classifier_pooling="mean"`) or the first token's vector (`"first"`)."""
+        if self.config.classifier_pooling == "first":
+            return hidden_states[:, 0]
+        if attention_mask is None or attention_mask.dim() != 2:
+            return hidden_states.mean(dim=1)
+        weights = attention_mask.to(hidden_states.dtype).unsqueeze(-1)
+        return (hidden_states * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1.0)
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> SequenceClassifierOutput:
+        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds, **kwargs)
+        logits = self.classifier(self.dropout(self.pool(outputs.last_hidden_state, attention_mask)))
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(labels=labels, pooled_logits=logits, config=self.config, **kwargs)
+        return SequenceClassifierOutput(
+            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
+        )
+
+
+__all__ = [
+    "VanillaTransformerPreTrainedModel",
+    "VanillaTransformerEncoder",
+    "VanillaTransformerDecoder",
+    "VanillaTransformerModel",
+    "VanillaTransformerForConditionalGeneration",
+    "VanillaTransformerForCausalLM",
+    "VanillaTransformerForSequenceClassification",
+]

@@ -1,0 +1,64 @@
+"""Normalisation layers and their placement around each sub-layer (the residual connection of §3.1)."""
+
+from collections.abc import Callable
+from typing import Literal
+
+import torch
+from torch import nn
+
+from .configuration_vanilla_transformer import VanillaTransformerConfig
+
+
+def build_norm(config: VanillaTransformerConfig) -> nn.Module:
+    """LayerNorm (paper, Ba et al. 2016) or RMSNorm (Zhang & Sennrich 2019), with the configured epsilon."""
+    if config.norm_type == "rmsnorm":
+        return nn.RMSNorm(config.d_model, eps=config.norm_eps)  # eps given: torch's default is finfo(dtype).eps
+    return nn.LayerNorm(config.d_model, eps=config.norm_eps, bias=config.norm_bias)
+
+
+def deepnorm_constants(config: VanillaTransformerConfig, stack: Literal["encoder", "decoder"]) -> tuple[float, float]:
+    """DeepNet (Wang et al. 2022, Figure 2 / Table 1) residual weight alpha and init gain beta.
+
+    Encoder-decoder with N encoder and M decoder layers:
+        encoder  alpha = 0.81 (N^4 M)^(1/16),  beta = 0.87 (N^4 M)^(-1/16)
+        decoder  alpha = (3M)^(1/4),           beta = (12M)^(-1/4)
+    Encoder-only (N layers) or decoder-only (M layers): alpha = (2L)^(1/4), beta = (8L)^(-1/4).
+    """
+    n, m = config.encoder_layers, config.decoder_layers
+    if not config.is_encoder_decoder:
+        depth = n if stack == "encoder" else m
+        return (2 * depth) ** 0.25, (8 * depth) ** -0.25
+    if stack == "encoder":
+        return 0.81 * (n**4 * m) ** (1 / 16), 0.87 * (n**4 * m) ** (-1 / 16)
+    return (3 * m) ** 0.25, (12 * m) ** -0.25
+
+
+class SublayerConnection(nn.Module):
+    """One sub-layer (attention or FFN) with its dropout, residual add and norm(s), placed per `norm_position`:
+
+    post      LayerNorm(x + Dropout(f(x)))                 the paper, §3.1 and §5.4
+    pre       x + Dropout(f(LayerNorm(x)))                 Xiong et al. 2020; the stack ends with a final norm
+    sandwich  x + Dropout(LayerNorm(f(LayerNorm(x))))      Ding et al. 2021 (CogView)
+    deepnorm  LayerNorm(alpha * x + Dropout(f(x)))         Wang et al. 2022 (DeepNet)
+    """
+
+    def __init__(self, config: VanillaTransformerConfig, residual_scale: float = 1.0):
+        super().__init__()
+        self.norm_position = config.norm_position
+        self.norm = build_norm(config)
+        self.sandwich_norm = build_norm(config) if config.norm_position == "sandwich" else None
+        self.dropout = nn.Dropout(config.dropout)
+        self.residual_scale = residual_scale
+
+    def forward(self, hidden_states: torch.Tensor, sublayer: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        if self.norm_position in ("post", "deepnorm"):
+            return self.norm(self.residual_scale * hidden_states + self.dropout(sublayer(hidden_states)))
+        output = sublayer(self.norm(hidden_states))
+        if self.sandwich_norm is not None:
+            output = self.sandwich_norm(output)
+        return hidden_states + self.dropout(output)
+
+
+def has_final_norm(config: VanillaTransformerConfig) -> bool:
+    """Pre-norm stacks leave the residual stream un-normalised, so each stack ends with one more norm."""
+    return config.norm_position in ("pre", "sandwich")

@@ -12,13 +12,12 @@ from transformers import (
 )
 
 from .configuration_vanilla_transformer import VanillaTransformerConfig
-from .modeling_vanilla_transformer import (
+from .heads_vanilla_transformer import (
     VanillaTransformerForCausalLM,
     VanillaTransformerForConditionalGeneration,
     VanillaTransformerForSequenceClassification,
-    VanillaTransformerModel,
-    VanillaTransformerPreTrainedModel,
 )
+from .modeling_vanilla_transformer import VanillaTransformerModel, VanillaTransformerPreTrainedModel
 
 AutoConfig.register(VanillaTransformerConfig.model_type, VanillaTransformerConfig, exist_ok=True)
 VanillaTransformerConfig.register_for_auto_class()

@@ -42,7 +42,8 @@ class VanillaTransformerConfig(PreTrainedConfig):
     >>> from hf_vanilla_transformer import VanillaTransformerConfig
     >>> config = VanillaTransformerConfig.from_preset("transformer-base", vocab_size=37000)
     >>> modern = VanillaTransformerConfig.from_preset(
-    ...     "transformer-base", norm_position="pre", norm_type="rmsnorm", ffn_type="swiglu", position_embedding_type="rope"
+    ...     "transformer-base", norm_position="pre", norm_type="rmsnorm", ffn_type="swiglu",
+    ...     position_embedding_type="rope",
     ... )
     ```
     """
@@ -167,8 +168,17 @@ class VanillaTransformerConfig(PreTrainedConfig):
 
     def _check_values(self) -> None:
         """Cross-field checks. Each error names the field to change."""
-        positive = ["vocab_size", "d_model", "encoder_attention_heads", "decoder_attention_heads", "encoder_ffn_dim",
-                    "decoder_ffn_dim", "max_position_embeddings", "ffn_multiple_of", "moe_layer_frequency"]
+        positive = [
+            "vocab_size",
+            "d_model",
+            "encoder_attention_heads",
+            "decoder_attention_heads",
+            "encoder_ffn_dim",
+            "decoder_ffn_dim",
+            "max_position_embeddings",
+            "ffn_multiple_of",
+            "moe_layer_frequency",
+        ]
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}.")

@@ -27,7 +27,13 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_vanilla_transformer import VanillaTransformerConfig
 from .feed_forward_vanilla_transformer import build_feed_forward
-from .norms_vanilla_transformer import SublayerConnection, build_norm, deepnorm_constants, has_final_norm
+from .norms_vanilla_transformer import (
+    SublayerConnection,
+    build_norm,
+    deepnorm_constants,
+    has_final_norm,
+    set_deepnorm_init_gains,
+)
 from .positions_vanilla_transformer import POSITION_EMBEDDINGS
 
 Stack = Literal["encoder", "decoder"]
@@ -146,6 +152,7 @@ class VanillaTransformerEncoderLayer(GradientCheckpointingLayer):
         self.self_attn_connection = SublayerConnection(config, alpha)
         self.mlp = build_mlp(config, "encoder", layer_idx)
         self.mlp_connection = SublayerConnection(config, alpha)
+        set_deepnorm_init_gains(self, config, "encoder")
 
     def forward(
         self,
@@ -174,6 +181,7 @@ class VanillaTransformerDecoderLayer(GradientCheckpointingLayer):
             self.encoder_attn_connection = SublayerConnection(config, alpha)
         self.mlp = build_mlp(config, "decoder", layer_idx)
         self.mlp_connection = SublayerConnection(config, alpha)
+        set_deepnorm_init_gains(self, config, "decoder")
 
     def forward(
         self,
@@ -205,9 +213,6 @@ class VanillaTransformerDecoderLayer(GradientCheckpointingLayer):
         return self.mlp_connection(hidden_states, self.mlp)
 
 
-DEEPNORM_SCALED_PROJECTIONS = ("v_proj", "out_proj", "fc1", "fc2", "gate_proj", "up_proj", "down_proj")
-
-
 class VanillaTransformerPreTrainedModel(PreTrainedModel):
     config: VanillaTransformerConfig
     config_class = VanillaTransformerConfig
@@ -226,7 +231,11 @@ class VanillaTransformerPreTrainedModel(PreTrainedModel):
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, nn.Linear):
-            init.xavier_uniform_(module.weight)  # as torch.nn.Transformer and the Annotated Transformer
+            deepnorm_gain = getattr(module, "deepnorm_gain", None)  # set by set_deepnorm_init_gains
+            if deepnorm_gain is None:
+                init.xavier_uniform_(module.weight)  # as torch.nn.Transformer and the Annotated Transformer
+            else:
+                init.xavier_normal_(module.weight, gain=deepnorm_gain)  # DeepNet (Wang et al. 2022), Figure 2
             if module.bias is not None:
                 init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
@@ -238,19 +247,6 @@ class VanillaTransformerPreTrainedModel(PreTrainedModel):
             init.ones_(module.weight)
             if getattr(module, "bias", None) is not None:
                 init.zeros_(module.bias)
-        elif isinstance(module, VanillaTransformerEncoderLayer | VanillaTransformerDecoderLayer):
-            if self.config.norm_position == "deepnorm":
-                self._init_deepnorm_layer(module)
-
-    def _init_deepnorm_layer(self, layer: nn.Module) -> None:
-        """DeepNet init (Wang et al. 2022, Figure 2): Xavier-normal with gain beta for the FFN and the value and
-        output projections, gain 1 for queries and keys. Runs after the layer's children were initialised."""
-        stack = "encoder" if isinstance(layer, VanillaTransformerEncoderLayer) else "decoder"
-        beta = deepnorm_constants(self.config, stack)[1]
-        for name, module in layer.named_modules():
-            if isinstance(module, nn.Linear):
-                gain = beta if name.rsplit(".", 1)[-1] in DEEPNORM_SCALED_PROJECTIONS else 1.0
-                init.xavier_normal_(module.weight, gain=gain)
 
     def _set_auto_map(self) -> None:
         """Every saved checkpoint names, in `auto_map`, all the Auto classes that can load it, not only its own

@@ -33,6 +33,24 @@ def deepnorm_constants(config: VanillaTransformerConfig, stack: Literal["encoder
     return (3 * m) ** 0.25, (12 * m) ** -0.25
 
 
+# DeepNet Figure 2 (pseudocode): these get Xavier-normal with gain beta; queries and keys keep gain 1.
+DEEPNORM_SCALED_PROJECTIONS = ("v_proj", "out_proj", "fc1", "fc2", "gate_proj", "up_proj", "down_proj")
+
+
+def set_deepnorm_init_gains(layer: nn.Module, config: VanillaTransformerConfig, stack: Literal["encoder", "decoder"]):
+    """Store the DeepNet init gain on each linear of `layer` as `deepnorm_gain`, for `_init_weights` to apply.
+
+    The gain lives on the linear itself because transformers initialises module by module and, for custom-code
+    models, skips every module without parameters of its own, so a layer could not re-initialise its children.
+    """
+    if config.norm_position != "deepnorm":
+        return
+    beta = deepnorm_constants(config, stack)[1]
+    for name, module in layer.named_modules():
+        if isinstance(module, nn.Linear):
+            module.deepnorm_gain = beta if name.rsplit(".", 1)[-1] in DEEPNORM_SCALED_PROJECTIONS else 1.0
+
+
 class SublayerConnection(nn.Module):
     """One sub-layer (attention or FFN) with its dropout, residual add and norm(s), placed per `norm_position`:
 

@@ -12,6 +12,7 @@ from transformers import (
 )
 
 from .configuration_vanilla_transformer import VanillaTransformerConfig
+from .convert_llama_vanilla_transformer import convert_llama_to_vanilla_transformer
 from .heads_vanilla_transformer import (
     VanillaTransformerForCausalLM,
     VanillaTransformerForConditionalGeneration,
@@ -38,4 +39,5 @@ __all__ = [
     "VanillaTransformerForConditionalGeneration",
     "VanillaTransformerForCausalLM",
     "VanillaTransformerForSequenceClassification",
+    "convert_llama_to_vanilla_transformer",
 ]

@@ -15,6 +15,7 @@ from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple
 
 from .configuration_vanilla_transformer import VanillaTransformerConfig
+from .generation_vanilla_transformer import VanillaTransformerGenerationMixin
 from .modeling_vanilla_transformer import (
     SEQ2SEQ_AUTO_MAP,
     VanillaTransformerDecoder,
@@ -30,8 +31,11 @@ def lm_logits(lm_head: nn.Linear, hidden_states: torch.Tensor, logits_to_keep: i
     return lm_head(hidden_states[:, keep, :])
 
 
-class VanillaTransformerForConditionalGeneration(VanillaTransformerPreTrainedModel, GenerationMixin):
-    """Encoder-decoder with the pre-softmax projection tied to the shared embedding (§3.4): the translation model."""
+class VanillaTransformerForConditionalGeneration(VanillaTransformerPreTrainedModel, VanillaTransformerGenerationMixin):
+    """Encoder-decoder with the pre-softmax projection tied to the shared embedding (§3.4): the translation model.
+
+    Beam search can rank hypotheses with the paper's GNMT length penalty: `generate(..., length_penalty_type="gnmt")`.
+    """
 
     _tied_weights_keys = {"lm_head.weight": "model.shared.weight"}
     _auto_map = SEQ2SEQ_AUTO_MAP

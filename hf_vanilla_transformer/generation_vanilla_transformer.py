@@ -1,0 +1,109 @@
+"""Beam search with the GNMT length penalty, the one the paper decodes with (§6.1: beam 4, alpha = 0.6).
+
+transformers ranks finished beam hypotheses by `sum log p / |Y|^length_penalty`. The paper uses the penalty of Wu et
+al. 2016 (GNMT, eq. 14), `lp(Y) = ((5 + |Y|) / 6)^alpha`, which grows more slowly with length and so ranks hypotheses
+of different lengths differently. Select it per call or in the generation config:
+
+```python
+model.generate(input_ids, num_beams=4, length_penalty=0.6, length_penalty_type="gnmt",
+               max_new_tokens=input_ids.shape[1] + 50)   # §6.1: max output length = input length + 50
+model.generation_config.length_penalty_type = "gnmt"  # or make it the model's default (saved with the model)
+```
+
+`length_penalty_type="power"` (the default) keeps transformers' behaviour. |Y| counts the generated tokens including
+the end-of-sequence token and excluding the decoder start token, exactly the length transformers uses.
+"""
+
+from typing import Any, Literal
+
+import torch
+from transformers import GenerationConfig
+from transformers.generation import GenerationMixin
+
+LengthPenaltyType = Literal["power", "gnmt"]
+LENGTH_PENALTY_TYPES: tuple[str, ...] = ("power", "gnmt")
+
+
+def gnmt_length_penalty(length: int | torch.Tensor, alpha: float) -> float | torch.Tensor:
+    """Wu et al. 2016, eq. 14: `((5 + |Y|) / 6) ** alpha`; a finished hypothesis scores `log P(Y|X) / lp(Y)`."""
+    return ((5 + length) / 6) ** alpha
+
+
+def _length_penalty_type(generation_config: GenerationConfig) -> str:
+    penalty_type = getattr(generation_config, "length_penalty_type", "power")
+    if penalty_type not in LENGTH_PENALTY_TYPES:
+        raise ValueError(f"length_penalty_type={penalty_type!r} is not one of {LENGTH_PENALTY_TYPES}.")
+    return penalty_type
+
+
+class VanillaTransformerGenerationMixin(GenerationMixin):
+    """`GenerationMixin` whose beam search can rank finished hypotheses with the GNMT length penalty.
+
+    transformers 5.23's `_beam_search` normalises scores in exactly two places, `_update_finished_beams` (the score a
+    finished hypothesis is kept with) and `_check_early_stop_heuristic` (the best score a running beam could still
+    reach). With `length_penalty_type="gnmt"` both get scores already divided by `lp(Y)` and `length_penalty=0`
+    (so transformers' own division is by |Y|^0 = 1); everything else in beam search stays transformers' code.
+    """
+
+    _gnmt_alpha: float | None = None  # set for the duration of one GNMT beam search
+
+    def _prepare_generation_config(
+        self, generation_config: GenerationConfig | None, **kwargs: Any
+    ) -> tuple[GenerationConfig, dict[str, Any]]:
+        # `length_penalty_type` is not a GenerationConfig field: take it out of the call's kwargs (or they would reach
+        # `forward` as model inputs) and store it on this call's config copy.
+        penalty_type = kwargs.pop("length_penalty_type", None)
+        generation_config, model_kwargs = super()._prepare_generation_config(generation_config, **kwargs)
+        if penalty_type is not None:
+            generation_config.length_penalty_type = penalty_type
+        _length_penalty_type(generation_config)
+        return generation_config, model_kwargs
+
+    def _beam_search(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False, **kw):
+        if _length_penalty_type(generation_config) != "gnmt":
+            return super()._beam_search(
+                input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus, **kw
+            )
+        self._gnmt_alpha = generation_config.length_penalty
+        try:
+            return super()._beam_search(
+                input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus, **kw
+            )
+        finally:
+            self._gnmt_alpha = None
+
+    def _update_finished_beams(self, *, topk_log_probs, cur_len, decoder_prompt_len, length_penalty, **kw):
+        if self._gnmt_alpha is not None:
+            # The candidates finishing now have cur_len + 1 - decoder_prompt_len tokens, EOS included.
+            topk_log_probs = topk_log_probs / gnmt_length_penalty(cur_len + 1 - decoder_prompt_len, self._gnmt_alpha)
+            length_penalty = 0.0
+        return super()._update_finished_beams(
+            topk_log_probs=topk_log_probs,
+            cur_len=cur_len,
+            decoder_prompt_len=decoder_prompt_len,
+            length_penalty=length_penalty,
+            **kw,
+        )
+
+    def _check_early_stop_heuristic(
+        self, *, running_beam_scores, cur_len, max_length, decoder_prompt_len, early_stopping, length_penalty, **kw
+    ):
+        if self._gnmt_alpha is not None:
+            # Same bound as transformers' heuristic: with early_stopping="never" and alpha > 0 the best a running beam
+            # can reach is its score at the longest allowed length (log-probs only fall, lp only grows).
+            never_and_positive = early_stopping == "never" and self._gnmt_alpha > 0.0
+            length = (max_length if never_and_positive else cur_len) - decoder_prompt_len
+            running_beam_scores = running_beam_scores / gnmt_length_penalty(length, self._gnmt_alpha)
+            length_penalty = 0.0
+        return super()._check_early_stop_heuristic(
+            running_beam_scores=running_beam_scores,
+            cur_len=cur_len,
+            max_length=max_length,
+            decoder_prompt_len=decoder_prompt_len,
+            early_stopping=early_stopping,
+            length_penalty=length_penalty,
+            **kw,
+        )
+
+
+__all__ = ["VanillaTransformerGenerationMixin", "gnmt_length_penalty", "LENGTH_PENALTY_TYPES", "LengthPenaltyType"]

@@ -18,6 +18,8 @@ from .heads_vanilla_transformer import (
     VanillaTransformerForConditionalGeneration,
     VanillaTransformerForSequenceClassification,
 )
+from .hub_vanilla_transformer import push_repository
+from .model_card_vanilla_transformer import build_model_card, write_model_card
 from .modeling_vanilla_transformer import VanillaTransformerModel, VanillaTransformerPreTrainedModel
 
 AutoConfig.register(VanillaTransformerConfig.model_type, VanillaTransformerConfig, exist_ok=True)
@@ -40,4 +42,7 @@ __all__ = [
     "VanillaTransformerForCausalLM",
     "VanillaTransformerForSequenceClassification",
     "convert_llama_to_vanilla_transformer",
+    "build_model_card",
+    "write_model_card",
+    "push_repository",
 ]

@@ -1,0 +1,309 @@
+"""Model cards for hf_vanilla_transformer checkpoints, generated from the config and the training results.
+
+The YAML metadata is built with huggingface_hub's `ModelCardData` and `EvalResult`, so it parses and validates the
+way the Hub reads it (`model-index` included); the body is rendered from `model_card_template.md`, which ships with
+the package (`model_cards/template.md` links to it). Training scripts call `write_model_card` next to
+`save_pretrained`.
+"""
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import transformers
+from huggingface_hub import EvalResult, ModelCard, ModelCardData
+from transformers import PreTrainedConfig, PreTrainedModel
+
+TEMPLATE_PATH = Path(__file__).with_name("model_card_template.md")
+PLACEHOLDER_REPO_ID = "<user>/<model>"
+
+# Head class -> (Auto class that loads it, Hub pipeline tag, one-line summary). transformers 5 has no translation
+# pipeline any more, but the Hub still tags encoder-decoder models by task; pass `pipeline_tag="text2text-generation"`
+# for other sequence-to-sequence tasks.
+HEADS: dict[str, tuple[str, str, str]] = {
+    "VanillaTransformerForConditionalGeneration": (
+        "AutoModelForSeq2SeqLM",
+        "translation",
+        "an encoder-decoder with a language-model head (the paper's translation model)",
+    ),
+    "VanillaTransformerForCausalLM": (
+        "AutoModelForCausalLM",
+        "text-generation",
+        "a decoder-only language model (the decoder stack without cross-attention)",
+    ),
+    "VanillaTransformerForSequenceClassification": (
+        "AutoModelForSequenceClassification",
+        "text-classification",
+        "an encoder-only classifier (the encoder stack, pooled, then a linear layer)",
+    ),
+    "VanillaTransformerModel": ("AutoModel", "feature-extraction", "the encoder-decoder without a head"),
+}
+SEQ2SEQ_PIPELINE_TAGS = ("translation", "text2text-generation", "summarization")
+
+# Auto class -> the lines after loading that show what the model is for.
+USAGE_CALLS = {
+    "AutoModelForSeq2SeqLM": (
+        'inputs = tokenizer(["Your source sentence."], return_tensors="pt")\n'
+        "outputs = model.generate(**inputs, num_beams=4, max_new_tokens=64)\n"
+        "print(tokenizer.batch_decode(outputs, skip_special_tokens=True))"
+    ),
+    "AutoModelForCausalLM": (
+        'inputs = tokenizer(["Once upon a time"], return_tensors="pt")\n'
+        "outputs = model.generate(**inputs, do_sample=True, max_new_tokens=64)\n"
+        "print(tokenizer.batch_decode(outputs, skip_special_tokens=True))"
+    ),
+    "AutoModelForSequenceClassification": (
+        'logits = model(**tokenizer(["Some text."], return_tensors="pt")).logits\n'
+        "print(model.config.id2label[int(logits.argmax(-1))])"
+    ),
+    "AutoModel": (
+        'inputs = tokenizer(["Some text."], return_tensors="pt")\n'
+        "hidden_states = model(**inputs, decoder_input_ids=inputs.input_ids).last_hidden_state"
+    ),
+}
+
+
+def head_name(model_or_config: PreTrainedModel | PreTrainedConfig) -> str:
+    """The head class a card describes: the model's class, else the config's `architectures`, else inferred."""
+    if isinstance(model_or_config, PreTrainedModel):
+        name = type(model_or_config).__name__
+    elif model_or_config.architectures:
+        name = model_or_config.architectures[0]
+    elif model_or_config.is_encoder_decoder:
+        name = "VanillaTransformerForConditionalGeneration"
+    else:
+        raise ValueError(
+            "A decoder-only or encoder-only config does not say which head it belongs to: pass the model, "
+            "or set config.architectures."
+        )
+    if name not in HEADS:
+        raise ValueError(f"No model card for {name!r}; expected one of {sorted(HEADS)}.")
+    return name
+
+
+def stack_kind(head: str) -> str:
+    return {
+        "VanillaTransformerForCausalLM": "decoder-only",
+        "VanillaTransformerForSequenceClassification": "encoder-only",
+    }.get(head, "encoder-decoder")
+
+
+def stack_description(config: PreTrainedConfig, head: str) -> str:
+    layers = {
+        "decoder-only": f"{config.decoder_layers}",
+        "encoder-only": f"{config.encoder_layers}",
+        "encoder-decoder": f"{config.encoder_layers} + {config.decoder_layers}",
+    }
+    return f"{stack_kind(head)}, {layers[stack_kind(head)]} layers"
+
+
+def architecture_rows(config: PreTrainedConfig, head: str) -> list[tuple[str, str]]:
+    """The card's architecture table: one row per variant axis, with the paper's value marked."""
+
+    def paper(value: Any, paper_value: Any) -> str:
+        return f"`{value}` (paper)" if value == paper_value else f"`{value}`"
+
+    kv_heads = f", {config.num_key_value_heads} key/value heads" if config.num_key_value_heads else ""
+    ffn = f"{paper(config.ffn_type, 'relu')}, d_ff = {config.encoder_ffn_dim} / {config.decoder_ffn_dim}"
+    if config.ffn_type in ("glu", "bilinear", "reglu", "geglu", "swiglu"):
+        ffn += f" (gated hidden size {config.gated_hidden_size(config.encoder_ffn_dim)})"
+    positions = paper(config.position_embedding_type, "sinusoidal")
+    if config.position_embedding_type == "sinusoidal":
+        positions += f", {config.sinusoidal_layout} sin/cos"
+    elif config.position_embedding_type == "rope":
+        positions += f", theta = {config.rope_theta:g}"
+    elif config.position_embedding_type == "learned":
+        positions += f", at most {config.max_position_embeddings} positions"
+    experts = "dense FFN (paper)"
+    if config.num_experts:
+        experts = (
+            f"{config.num_experts} experts, top-{config.num_experts_per_tok}, {config.num_shared_experts} shared, "
+            f"in the {config.moe_stacks} stack(s), every {config.moe_layer_frequency}. layer"
+        )
+    return [
+        ("Stacks", stack_description(config, head)),
+        ("Model width", f"d_model = {config.d_model}"),
+        ("Attention heads", f"{config.encoder_attention_heads} / {config.decoder_attention_heads}{kv_heads}"),
+        ("Feed-forward", ffn),
+        ("Normalisation", f"{paper(config.norm_type, 'layernorm')}, eps = {config.norm_eps:g}"),
+        ("Norm position", paper(config.norm_position, "post")),
+        ("Positions", positions),
+        ("Embeddings scaled by sqrt(d_model)", paper(config.scale_embedding, True)),
+        ("Source/target embeddings shared", paper(config.share_encoder_decoder_embeddings, True)),
+        ("Output projection tied to embeddings", paper(config.tie_word_embeddings, True)),
+        ("Experts", experts),
+        ("Vocabulary", str(config.vocab_size)),
+        (
+            "Dropout (residual / attention / activation)",
+            f"{config.dropout} / {config.attention_dropout} / {config.activation_dropout}",
+        ),
+    ]
+
+
+def variant_tags(config: PreTrainedConfig, head: str) -> list[str]:
+    """Hub tags that let readers find checkpoints by variant."""
+    tags = [
+        "vanilla-transformer",
+        "custom_code",
+        stack_kind(head),
+        config.norm_type,
+        f"{config.norm_position}-norm",
+        f"ffn-{config.ffn_type}",
+        f"positions-{config.position_embedding_type}",
+    ]
+    if config.num_experts:
+        tags.append("mixture-of-experts")
+    return tags
+
+
+def default_limitations(config: PreTrainedConfig) -> list[str]:
+    """Caveats that follow from the configuration."""
+    limitations = [
+        "Loading runs the Python files of this repository (`trust_remote_code=True`): read them first, or pin a "
+        "`revision`.",
+        f"The code was written against transformers {transformers.__version__} internals (attention interface, "
+        "masking utilities, output capturing); other transformers versions may fail to load it.",
+    ]
+    if config.norm_position == "post":
+        limitations.append(
+            "Post-LN (the paper's placement) needs a learning-rate warm-up (§5.3) and gets unstable as depth grows; "
+            "fine-tune with a warm-up too."
+        )
+    if config.position_embedding_type == "learned":
+        limitations.append(f"Learned positions: inputs longer than {config.max_position_embeddings} tokens fail.")
+    elif config.position_embedding_type in ("sinusoidal", "rope"):
+        limitations.append(
+            "Sinusoidal/rotary positions accept any length, but quality drops on inputs much longer than in training."
+        )
+    if config.num_experts:
+        limitations.append(
+            "Mixture of Experts: keep the router's auxiliary losses on when fine-tuning"
+            + (", and tokens over expert capacity skip the FFN." if config.expert_capacity_factor else ".")
+        )
+    return limitations
+
+
+def eval_results(results: dict[str, float], dataset: str, task_type: str) -> list[EvalResult]:
+    return [
+        EvalResult(task_type=task_type, dataset_type=dataset, dataset_name=dataset, metric_type=name, metric_value=v)
+        for name, v in results.items()
+    ]
+
+
+def clean_results(results: dict[str, Any] | None) -> dict[str, float]:
+    """Metric name -> number; the `eval_`/`test_` prefixes of Trainer metrics are dropped."""
+    cleaned = {}
+    for name, value in (results or {}).items():
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(f"results[{name!r}] = {value!r} is not a number.")
+        cleaned[name.removeprefix("eval_").removeprefix("test_")] = float(value)
+    return cleaned
+
+
+def build_model_card(
+    model_or_config: PreTrainedModel | PreTrainedConfig,
+    *,
+    repo_id: str | None = None,
+    results: dict[str, float] | None = None,
+    dataset: str | None = None,
+    training_args: dict[str, Any] | None = None,
+    plot_path: str | Path | None = None,
+    description: str = "",
+    language: str | list[str] | None = None,
+    license: str = "apache-2.0",
+    pipeline_tag: str | None = None,
+    base_model: str | None = None,
+    limitations: list[str] | None = None,
+) -> ModelCard:
+    """A model card for a model (or its config), its training recipe and its evaluation results.
+
+    Args:
+        model_or_config: the trained model, or its config (the head comes from `config.architectures`).
+        repo_id: Hub id used in the loading example and as the model name.
+        results: metric name -> value, e.g. `{"bleu": 27.3}` (Trainer's `eval_` prefixes are dropped); they go into
+            the `model-index` metadata, which needs `dataset`.
+        dataset: Hub dataset id the model was trained and evaluated on.
+        training_args: hyper-parameters to list in the training recipe (name -> value).
+        plot_path: an image of training curves; the card links to its file name (`write_model_card` copies it).
+        description: a paragraph placed under the title.
+        language, license, base_model: card metadata.
+        pipeline_tag: Hub task; by default from the head (`translation`, `text-generation`, `text-classification`).
+        limitations: caveats added after the ones derived from the config.
+    """
+    config = model_or_config.config if isinstance(model_or_config, PreTrainedModel) else model_or_config
+    head = head_name(model_or_config)
+    auto_class, default_tag, summary = HEADS[head]
+    pipeline_tag = pipeline_tag or default_tag
+    if head == "VanillaTransformerForConditionalGeneration" and pipeline_tag not in SEQ2SEQ_PIPELINE_TAGS:
+        raise ValueError(f"pipeline_tag={pipeline_tag!r} does not fit a seq2seq model; use {SEQ2SEQ_PIPELINE_TAGS}.")
+    metrics = clean_results(results)
+    if metrics and dataset is None:
+        raise ValueError("results need the dataset they were measured on: pass dataset=<Hub dataset id>.")
+    model_name = (repo_id or "vanilla-transformer").split("/")[-1]
+    card_data = ModelCardData(
+        language=language,
+        license=license,
+        library_name="transformers",
+        pipeline_tag=pipeline_tag,
+        tags=variant_tags(config, head),
+        datasets=[dataset] if dataset else None,
+        metrics=list(metrics) or None,
+        base_model=base_model,
+        model_name=model_name,
+        eval_results=eval_results(metrics, dataset, pipeline_tag) if metrics else None,
+    )
+    load = (
+        f"from transformers import AutoTokenizer, {auto_class}\n\n"
+        f'tokenizer = AutoTokenizer.from_pretrained("{repo_id or PLACEHOLDER_REPO_ID}", trust_remote_code=True)\n'
+        f'model = {auto_class}.from_pretrained("{repo_id or PLACEHOLDER_REPO_ID}", trust_remote_code=True)\n'
+    )
+    if isinstance(model_or_config, PreTrainedModel):
+        summary += f", {model_or_config.num_parameters():,} parameters"
+    return ModelCard.from_template(
+        card_data,
+        template_path=str(TEMPLATE_PATH),
+        model_name=model_name,
+        description=description,
+        head_summary=summary,
+        architecture=architecture_rows(config, head),
+        dataset=dataset,
+        training_args=training_args,
+        plot_file=Path(plot_path).name if plot_path else None,
+        results=metrics,
+        transformers_version=transformers.__version__,
+        usage=load + USAGE_CALLS[auto_class],
+        limitations=default_limitations(config) + list(limitations or []),
+    )
+
+
+def write_model_card(
+    model_or_config: PreTrainedModel | PreTrainedConfig,
+    output_dir: str | Path,
+    *,
+    results: dict[str, float] | None = None,
+    dataset: str | None = None,
+    training_args: dict[str, Any] | None = None,
+    plot_path: str | Path | None = None,
+    **card_fields: Any,
+) -> ModelCard:
+    """Write `README.md` (and a copy of the training plot) into `output_dir`, next to the saved model.
+
+    Takes the arguments of `build_model_card` and returns the card.
+    """
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    card = build_model_card(
+        model_or_config,
+        results=results,
+        dataset=dataset,
+        training_args=training_args,
+        plot_path=plot_path,
+        **card_fields,
+    )
+    if plot_path is not None and Path(plot_path).resolve() != (output_dir / Path(plot_path).name).resolve():
+        shutil.copy(plot_path, output_dir / Path(plot_path).name)  # the card links the image by file name
+    card.save(output_dir / "README.md")
+    return card
+
+
+__all__ = ["build_model_card", "write_model_card"]

@@ -13,6 +13,7 @@ from transformers import (
 
 from .configuration_vanilla_transformer import VanillaTransformerConfig
 from .convert_llama_vanilla_transformer import convert_llama_to_vanilla_transformer
+from .convert_marian_vanilla_transformer import convert_marian_to_vanilla_transformer
 from .heads_vanilla_transformer import (
     VanillaTransformerForCausalLM,
     VanillaTransformerForConditionalGeneration,
@@ -45,4 +46,5 @@ __all__ = [
     "build_model_card",
     "write_model_card",
     "push_repository",
+    "convert_marian_to_vanilla_transformer",
 ]

@@ -1,0 +1,221 @@
+"""End-to-end tests of training/: the seq2seq and causal-LM scripts, Noam schedule, checkpoint averaging, resuming,
+and a 2-process `accelerate launch` on CPU. Models are tiny and runs a few dozen steps, so this takes ~2 minutes.
+
+Run: python -m pytest -q tests/test_training_scripts.py
+"""
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+TRAINING_DIR = Path(__file__).resolve().parents[1] / "training"
+sys.path.insert(0, str(TRAINING_DIR))
+
+import average_checkpoints  # noqa: E402
+import train_causal_lm  # noqa: E402
+import train_seq2seq  # noqa: E402
+from run_common import noam_scheduler, parse_config_overrides  # noqa: E402
+
+TINY_MODEL = [
+    "--preset",
+    "demo-small",
+    "--config_overrides",
+    "d_model=32,encoder_layers=1,decoder_layers=1,encoder_ffn_dim=64,decoder_ffn_dim=64,"
+    "encoder_attention_heads=2,decoder_attention_heads=2",
+    "--tokenizer_vocab_size",
+    "300",
+]
+QUIET = ["--report_to", "none", "--disable_tqdm", "true", "--dataloader_pin_memory", "false", "--seed", "0"]
+SEQ2SEQ_DEMO = [*TINY_MODEL, *QUIET, "--demo_train_size", "400", "--demo_validation_size", "16", "--warmup_steps", "8"]
+
+
+def weights(directory: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(directory / "model.safetensors"))
+
+
+def closed_form_noam(step: int, d_model: int, warmup: int, scale: float) -> float:
+    """The paper's eq. 3, lr = scale * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5), written out again."""
+    return scale / math.sqrt(d_model) * min(1 / math.sqrt(step), step / warmup**1.5)
+
+
+@pytest.fixture(scope="module")
+def seq2seq_run(tmp_path_factory) -> Path:
+    """24 steps on the demo data with checkpoints every 12, then evaluation (beam search, BLEU/chrF)."""
+    output_dir = tmp_path_factory.mktemp("seq2seq") / "run"
+    argv = [*SEQ2SEQ_DEMO, "--output_dir", str(output_dir), "--do_train", "--do_eval", "--max_steps", "24"]
+    argv += ["--per_device_train_batch_size", "16", "--save_steps", "12", "--logging_steps", "4"]
+    train_seq2seq.main(argv)
+    return output_dir
+
+
+def test_noam_schedule_follows_its_formula():
+    d_model, warmup, scale = 64, 10, 2.0
+    parameter = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.Adam([parameter], lr=scale)  # the optimiser's lr is the Noam scale factor
+    scheduler = noam_scheduler(optimizer, d_model, warmup)
+    rates = []
+    for _ in range(40):
+        rates.append(optimizer.param_groups[0]["lr"])  # the rate of the coming update
+        optimizer.step()
+        scheduler.step()
+    expected = [closed_form_noam(step, d_model, warmup, scale) for step in range(1, 41)]
+    assert rates == pytest.approx(expected, rel=1e-12)
+    assert max(rates) == pytest.approx(rates[warmup - 1])  # peak at the end of the warm-up
+
+
+def test_seq2seq_demo_end_to_end(seq2seq_run):
+    files = {path.name for path in seq2seq_run.iterdir()}
+    code = {"configuration_vanilla_transformer.py", "modeling_vanilla_transformer.py", "heads_vanilla_transformer.py"}
+    assert {"model.safetensors", "tokenizer.json", "README.md", "training_curves.png", *code} <= files
+    results = json.loads((seq2seq_run / "all_results.json").read_text())
+    assert {"eval_bleu", "eval_chrf", "eval_loss", "train_loss"} <= results.keys()
+    card = (seq2seq_run / "README.md").read_text()
+    assert "eval_bleu" not in card and "bleu" in card and "training_curves.png" in card and "Noam" in card
+    state = json.loads((seq2seq_run / "checkpoint-24" / "trainer_state.json").read_text())
+    logged = [entry for entry in state["log_history"] if "loss" in entry]
+    assert logged[-1]["loss"] < logged[0]["loss"]  # it learns
+    for entry in logged:  # the logged rate is the Noam rate of that update (d_model=32, warm-up 8, scale 1)
+        assert entry["learning_rate"] == pytest.approx(closed_form_noam(entry["step"], 32, 8, 1.0), rel=1e-6)
+    generation_config = json.loads((seq2seq_run / "generation_config.json").read_text())
+    assert generation_config["length_penalty_type"] == "gnmt" and generation_config["num_beams"] == 4
+
+    # transformers 5.23 has no "translation"/"text2text-generation" pipeline any more: load through the Auto
+    # classes in a fresh process where hf_vanilla_transformer cannot be imported (the code comes from the folder).
+    script = f"""
+import sys
+sys.modules["hf_vanilla_transformer"] = None  # importing it now fails: only the saved code files can be used
+from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
+tokenizer = AutoTokenizer.from_pretrained({str(seq2seq_run)!r})
+model = AutoModelForSeq2SeqLM.from_pretrained({str(seq2seq_run)!r}, trust_remote_code=True)
+batch = tokenizer(["she has twenty-two books", "forty-two"], return_tensors="pt", padding=True)
+assert batch["input_ids"][0, -1] == tokenizer.eos_token_id  # sources end with </s>
+out = model.generate(**batch, max_new_tokens=12)
+assert out.shape[0] == 2 and (out[:, 0] == model.config.decoder_start_token_id).all()
+print(type(model).__module__, tokenizer.batch_decode(out, skip_special_tokens=True))
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=seq2seq_run.parent)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.startswith("transformers_modules.")
+
+
+def test_resume_from_checkpoint_equals_uninterrupted_run(seq2seq_run, tmp_path):
+    """A run stopped after its step-12 checkpoint and resumed from it ends with the uninterrupted run's weights."""
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    shutil.copytree(seq2seq_run / "checkpoint-12", resumed / "checkpoint-12")  # all an interrupted run leaves
+    argv = [*SEQ2SEQ_DEMO, "--output_dir", str(resumed), "--do_train", "--max_steps", "24"]
+    argv += ["--per_device_train_batch_size", "16", "--save_steps", "12", "--logging_steps", "4"]
+    train_seq2seq.main([*argv, "--resume_from_checkpoint", str(resumed / "checkpoint-12")])
+    uninterrupted, after_resume = weights(seq2seq_run / "checkpoint-24"), weights(resumed)
+    assert uninterrupted.keys() == after_resume.keys()
+    for name, tensor in uninterrupted.items():
+        assert torch.equal(tensor, after_resume[name]), name
+    halfway = weights(seq2seq_run / "checkpoint-12")
+    assert any(not torch.equal(tensor, halfway[name]) for name, tensor in uninterrupted.items())  # steps 13-24 ran
+
+
+def test_average_checkpoints_is_the_mean_of_weights(seq2seq_run, tmp_path):
+    checkpoints = average_checkpoints.last_checkpoints(seq2seq_run, 2)
+    assert [path.name for path in checkpoints] == ["checkpoint-12", "checkpoint-24"]
+    averaged_dir = average_checkpoints.average_checkpoints(checkpoints, tmp_path / "averaged")
+    first, second, averaged = weights(checkpoints[0]), weights(checkpoints[1]), weights(averaged_dir)
+    for name in first:
+        torch.testing.assert_close(averaged[name], (first[name] + second[name]) / 2, rtol=0, atol=1e-7)
+    assert not (averaged_dir / "optimizer.pt").exists() and (averaged_dir / "tokenizer.json").exists()
+    with pytest.raises(ValueError, match="fewer than last_k"):
+        average_checkpoints.last_checkpoints(seq2seq_run, 5)
+
+
+@pytest.mark.parametrize("extension", ["jsonl", "csv"])
+def test_seq2seq_on_local_files(tmp_path, extension):
+    pairs = [("she has two books", "sie hat zwei Bücher"), ("forty-two", "zweiundvierzig")] * 20
+    if extension == "jsonl":  # WMT-style `translation` dicts
+        lines = [json.dumps({"translation": {"en": en, "de": de}}) for en, de in pairs]
+        columns = []
+    else:  # plain source/target columns
+        lines = ["src,tgt"] + [f"{en},{de}" for en, de in pairs]
+        columns = ["--source_column", "src", "--target_column", "tgt"]
+    for split in ("train", "validation"):
+        (tmp_path / f"{split}.{extension}").write_text("\n".join(lines) + "\n")
+    output_dir = tmp_path / "out"
+    metrics = train_seq2seq.main(
+        [*TINY_MODEL, *QUIET, *columns, "--output_dir", str(output_dir), "--do_train", "--do_eval"]
+        + [
+            "--train_file",
+            str(tmp_path / f"train.{extension}"),
+            "--validation_file",
+            str(tmp_path / f"validation.{extension}"),
+        ]
+        + [
+            "--max_steps",
+            "6",
+            "--warmup_steps",
+            "3",
+            "--per_device_train_batch_size",
+            "8",
+            "--tokenizer_vocab_size",
+            "120",
+        ]
+    )
+    assert {"eval_bleu", "eval_chrf"} <= metrics.keys()
+    assert (output_dir / "model.safetensors").exists() and (output_dir / "README.md").exists()
+
+
+def test_causal_lm_demo_end_to_end(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    output_dir = tmp_path / "lm"
+    metrics = train_causal_lm.main(
+        [*TINY_MODEL, *QUIET, "--output_dir", str(output_dir), "--do_train", "--do_eval", "--max_steps", "10"]
+        + ["--demo_train_size", "300", "--demo_validation_size", "30", "--block_size", "32", "--warmup_steps", "5"]
+        + ["--per_device_train_batch_size", "8"]
+    )
+    assert metrics["eval_perplexity"] == pytest.approx(math.exp(metrics["eval_loss"]))
+    model = AutoModelForCausalLM.from_pretrained(output_dir)
+    tokenizer = AutoTokenizer.from_pretrained(output_dir)
+    assert type(model).__name__ == "VanillaTransformerForCausalLM" and not model.config.is_encoder_decoder
+    prompt = tokenizer(["forty-two plus"], return_tensors="pt", add_special_tokens=False)
+    out = model.generate(**prompt, max_new_tokens=5, do_sample=False)
+    assert prompt["input_ids"].shape[1] < out.shape[1] <= prompt["input_ids"].shape[1] + 5
+    assert "perplexity" in (output_dir / "README.md").read_text()
+
+
+def test_bad_arguments_raise_value_errors(tmp_path):
+    with pytest.raises(ValueError, match="not a VanillaTransformerConfig field"):
+        parse_config_overrides("d_modle=32")
+    assert parse_config_overrides("d_model=32,norm_position=pre,scale_embedding=false") == {
+        "d_model": 32,
+        "norm_position": "pre",
+        "scale_embedding": False,
+    }
+    with pytest.raises(ValueError, match="not in the data"):
+        (tmp_path / "train.csv").write_text("a,b\nx,y\n")
+        train_seq2seq.main(
+            [*TINY_MODEL, *QUIET, "--output_dir", str(tmp_path / "o"), "--do_train", "--train_file"]
+            + [str(tmp_path / "train.csv"), "--source_column", "src", "--target_column", "tgt"]
+        )
+
+
+def test_accelerate_launch_two_cpu_processes(tmp_path):
+    """`accelerate launch --num_processes 2 --cpu` (gloo) runs the seq2seq script to the end."""
+    output_dir = tmp_path / "ddp"
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2"]
+    command += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    command += [str(TRAINING_DIR / "train_seq2seq.py"), *SEQ2SEQ_DEMO, "--output_dir", str(output_dir)]
+    command += ["--do_train", "--do_eval", "--max_steps", "4", "--per_device_train_batch_size", "8"]
+    command += ["--max_eval_samples", "8", "--save_strategy", "no"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    results = json.loads((output_dir / "all_results.json").read_text())
+    assert results["train_steps_per_second"] > 0 and "eval_bleu" in results
+    assert json.loads((output_dir / "config.json").read_text())["model_type"] == "vanilla_transformer"
+    assert (output_dir / "README.md").exists()

@@ -1,0 +1,214 @@
+"""What the seq2seq and causal-LM scripts share: model arguments, the paper's optimisation recipe, local data files,
+and the output directory's model card with its training plot."""
+
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")  # headless: the plot only goes to a file
+import matplotlib.pyplot as plt  # noqa: E402
+from datasets import DatasetDict, load_dataset  # noqa: E402
+from torch.optim.lr_scheduler import LambdaLR  # noqa: E402
+from transformers import PreTrainedTokenizerBase, Trainer  # noqa: E402
+
+from hf_vanilla_transformer import VanillaTransformerConfig  # noqa: E402
+from hf_vanilla_transformer.configuration_vanilla_transformer import PRESETS  # noqa: E402
+from hf_vanilla_transformer.model_card_vanilla_transformer import write_model_card  # noqa: E402
+
+# A model small enough to learn the demo task in a few CPU minutes; a script-level size, not a package preset.
+DEMO_PRESET = "demo-small"
+DEMO_SIZES = dict(
+    d_model=128,
+    encoder_layers=2,
+    decoder_layers=2,
+    encoder_attention_heads=4,
+    decoder_attention_heads=4,
+    encoder_ffn_dim=512,
+    decoder_ffn_dim=512,
+    dropout=0.1,
+)
+PRESET_NAMES = [*PRESETS, DEMO_PRESET]
+
+# File extension -> the `datasets` builder that reads it.
+DATA_FILE_BUILDERS = {"json": "json", "jsonl": "json", "csv": "csv", "tsv": "csv", "parquet": "parquet", "txt": "text"}
+
+
+@dataclass
+class ModelArguments:
+    """Which model to train: a preset with config overrides, or a saved model to fine-tune."""
+
+    model_name_or_path: str | None = field(
+        default=None, metadata={"help": "A saved model (directory or Hub id) to fine-tune instead of a new one."}
+    )
+    preset: str = field(
+        default="transformer-base",
+        metadata={"help": f"Size of a new model: {PRESET_NAMES} (paper Table 3, or the demo's tiny model)."},
+    )
+    config_overrides: str | None = field(
+        default=None,
+        metadata={
+            "help": "Comma-separated key=value pairs for any VanillaTransformerConfig field of a new model, e.g. "
+            "'norm_position=pre,ffn_type=swiglu,encoder_layers=4'. Values are parsed as JSON where possible."
+        },
+    )
+    tokenizer_name: str | None = field(
+        default=None,
+        metadata={"help": "A pretrained tokenizer (directory or Hub id). Default: the model's, or a new shared BPE."},
+    )
+    tokenizer_vocab_size: int = field(
+        default=8000, metadata={"help": "Vocabulary size of the BPE tokenizer trained on the data (paper: 37000)."}
+    )
+    trust_remote_code: bool = field(
+        default=False, metadata={"help": "Allow code from the Hub when loading --model_name_or_path or a dataset."}
+    )
+
+
+@dataclass
+class NoamArguments:
+    """The paper's optimiser settings (§5.3) as defaults; mixed into the scripts' TrainingArguments."""
+
+    noam_schedule: bool = field(
+        default=True,
+        metadata={
+            "help": "Use the paper's schedule lr = learning_rate * d_model^-0.5 * min(step^-0.5, "
+            "step * warmup_steps^-1.5) (§5.3), where --learning_rate is the scale factor (paper: 1.0). "
+            "Set to False for --lr_scheduler_type with --learning_rate as the peak rate."
+        },
+    )
+    learning_rate: float = field(
+        default=1.0, metadata={"help": "Noam scale factor (paper: 1.0), or the peak rate without --noam_schedule."}
+    )
+    warmup_steps: float = field(default=4000, metadata={"help": "Warm-up steps (paper: 4000)."})
+    adam_beta2: float = field(default=0.98, metadata={"help": "Adam beta2 (paper: 0.98)."})
+    adam_epsilon: float = field(default=1e-9, metadata={"help": "Adam epsilon (paper: 1e-9)."})
+
+
+def noam_learning_rate(step: int, d_model: int, warmup_steps: int, scale: float = 1.0) -> float:
+    """§5.3, eq. 3: linear warm-up for `warmup_steps`, then decay with the inverse square root of the step number."""
+    step = max(step, 1)
+    return scale * d_model**-0.5 * min(step**-0.5, step * warmup_steps**-1.5)
+
+
+def noam_scheduler(optimizer, d_model: int, warmup_steps: int) -> LambdaLR:
+    """Noam as a LambdaLR: the optimiser's lr is the scale factor. LambdaLR counts from 0 and the paper's step_num
+    from 1, so the first update already has a non-zero rate."""
+    if warmup_steps <= 0:
+        raise ValueError(f"The Noam schedule needs warmup_steps > 0, got {warmup_steps}.")
+    return LambdaLR(optimizer, lambda step: noam_learning_rate(step + 1, d_model, warmup_steps))
+
+
+class NoamTrainerMixin(Trainer):
+    """A Trainer whose scheduler is the paper's Noam schedule when `args.noam_schedule` is set."""
+
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        if not self.args.noam_schedule:
+            return super().create_scheduler(num_training_steps, optimizer)
+        if self.lr_scheduler is None:
+            warmup = self.args.get_warmup_steps(num_training_steps)
+            optimizer = self.optimizer if optimizer is None else optimizer
+            self.lr_scheduler = noam_scheduler(optimizer, self.model.config.d_model, warmup)
+            self._created_lr_scheduler = True
+        return self.lr_scheduler
+
+
+def parse_config_overrides(overrides: str | None) -> dict[str, Any]:
+    """'a=1,b=pre,c=true' -> {"a": 1, "b": "pre", "c": True}; unknown field names raise ValueError."""
+    if not overrides:
+        return {}
+    known = {f.name for f in dataclasses.fields(VanillaTransformerConfig)}
+    parsed = {}
+    for item in overrides.split(","):
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ValueError(f"--config_overrides item {item!r} is not key=value.")
+        if key not in known:
+            raise ValueError(f"--config_overrides: {key!r} is not a VanillaTransformerConfig field.")
+        raw = raw.strip()
+        try:
+            parsed[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            parsed[key] = {"True": True, "False": False, "None": None}.get(raw, raw)
+    return parsed
+
+
+def new_model_config(model_args: ModelArguments, tokenizer: PreTrainedTokenizerBase, **fields) -> Any:
+    """A config from the preset and overrides, sized to the tokenizer and using its special-token ids."""
+    if model_args.preset not in PRESET_NAMES:
+        raise ValueError(f"--preset {model_args.preset!r} is not one of {PRESET_NAMES}.")
+    start_id = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.pad_token_id
+    token_fields = dict(
+        vocab_size=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=start_id,
+        eos_token_id=tokenizer.eos_token_id,
+        decoder_start_token_id=start_id,
+    )
+    overrides = {**token_fields, **fields, **parse_config_overrides(model_args.config_overrides)}
+    if model_args.preset == DEMO_PRESET:
+        return VanillaTransformerConfig(**{**DEMO_SIZES, **overrides})
+    return VanillaTransformerConfig.from_preset(model_args.preset, **overrides)
+
+
+def check_model_arguments(model_args: ModelArguments) -> None:
+    if model_args.model_name_or_path and model_args.config_overrides:
+        raise ValueError("--config_overrides builds a new model; it cannot change --model_name_or_path's config.")
+
+
+def load_local_files(train_file: str | None, validation_file: str | None) -> DatasetDict:
+    """json/jsonl/csv/tsv/parquet/txt files as a DatasetDict with `train` and/or `validation` splits."""
+    files = {split: path for split, path in [("train", train_file), ("validation", validation_file)] if path}
+    extensions = {path.rsplit(".", 1)[-1].lower() for path in files.values()}
+    if len(extensions) != 1 or next(iter(extensions)) not in DATA_FILE_BUILDERS:
+        raise ValueError(f"Data files must share one extension out of {sorted(DATA_FILE_BUILDERS)}, got {files}.")
+    extension = extensions.pop()
+    options = {"delimiter": "\t"} if extension == "tsv" else {}
+    return load_dataset(DATA_FILE_BUILDERS[extension], data_files=files, **options)
+
+
+def plot_training_curves(log_history: list[dict[str, float]], path: str | Path) -> Path | None:
+    """Training loss (and the evaluation metrics logged during training) against the step, as a PNG."""
+    train = [(entry["step"], entry["loss"]) for entry in log_history if "loss" in entry]
+    evals = [entry for entry in log_history if any(key.startswith("eval_") for key in entry)]
+    if not train:
+        return None
+    figure, loss_axis = plt.subplots(figsize=(6, 4))
+    loss_axis.plot(*zip(*train), label="train loss")
+    eval_loss = [(entry["step"], entry["eval_loss"]) for entry in evals if "eval_loss" in entry]
+    if eval_loss:
+        loss_axis.plot(*zip(*eval_loss), "o-", label="eval loss")
+    loss_axis.set_xlabel("step")
+    loss_axis.set_ylabel("loss")
+    metric_names = [name for name in ("eval_bleu", "eval_chrf", "eval_perplexity") if any(name in e for e in evals)]
+    if metric_names:
+        metric_axis = loss_axis.twinx()
+        for name, style in zip(metric_names, ("s--", "^--", "d--")):
+            points = [(entry["step"], entry[name]) for entry in evals if name in entry]
+            metric_axis.plot(*zip(*points), style, color=f"C{2 + metric_names.index(name)}", label=name[5:])
+        metric_axis.set_ylabel(", ".join(name[5:] for name in metric_names))
+        metric_axis.legend(loc="center right")
+    loss_axis.legend(loc="upper right")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return Path(path)
+
+
+def save_run(trainer: Trainer, metrics: dict[str, float], dataset: str, card_args: dict[str, Any]) -> None:
+    """Model, tokenizer and code files, then the model card with metrics and the training plot (main process)."""
+    trainer.save_model()
+    if not trainer.is_world_process_zero():
+        return
+    output_dir = Path(trainer.args.output_dir)
+    plot = plot_training_curves(trainer.state.log_history, output_dir / "training_curves.png")
+    keep = ("eval_bleu", "eval_chrf", "eval_loss", "eval_perplexity")
+    results = {name: metrics[name] for name in keep if name in metrics and math.isfinite(metrics[name])}
+    write_model_card(trainer.model, output_dir, results=results, dataset=dataset, plot_path=plot, **card_args)
+    with open(os.path.join(output_dir, "all_results.json"), "w") as file:
+        json.dump(metrics, file, indent=2)

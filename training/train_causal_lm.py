@@ -1,0 +1,181 @@
+"""Train or fine-tune the decoder-only Transformer (VanillaTransformerForCausalLM) on text, reporting perplexity.
+
+Texts are tokenized, concatenated and cut into blocks of --block_size tokens (packing, as in transformers'
+run_clm.py), so no compute is spent on padding. Data: a Hub dataset (--dataset_name), local text/json/csv files
+(--train_file/--validation_file, column --text_column), or with neither the built-in corpus of English arithmetic
+sentences (training/demo_data.py). Optimisation defaults to the paper's Adam and Noam schedule (§5.3).
+
+    python training/train_causal_lm.py --output_dir out/lm --preset demo-small --do_train --do_eval --max_steps 500
+"""
+
+import logging
+import math
+import sys
+from dataclasses import dataclass, field
+from itertools import chain
+
+import transformers
+from datasets import DatasetDict, load_dataset
+from demo_data import arithmetic_text_dataset
+from run_common import (
+    ModelArguments,
+    NoamArguments,
+    NoamTrainerMixin,
+    check_model_arguments,
+    load_local_files,
+    new_model_config,
+    save_run,
+)
+from train_tokenizer import train_bpe_tokenizer
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    HfArgumentParser,
+    Trainer,
+    TrainingArguments,
+    default_data_collator,
+    set_seed,
+)
+
+import hf_vanilla_transformer  # noqa: F401  (registers the Auto classes)
+
+logger = logging.getLogger(__name__)
+DEMO_DATASET = "num2words arithmetic sentences (built-in demo, training/demo_data.py)"
+
+
+@dataclass
+class DataArguments:
+    """Where the text comes from and how it is packed."""
+
+    dataset_name: str | None = field(default=None, metadata={"help": "A Hub dataset, e.g. wikitext (needs network)."})
+    dataset_config_name: str | None = field(default=None, metadata={"help": "The Hub dataset's config."})
+    train_file: str | None = field(default=None, metadata={"help": "Local training text: txt/json/jsonl/csv/parquet."})
+    validation_file: str | None = field(default=None, metadata={"help": "Local validation text, same format."})
+    text_column: str = field(default="text", metadata={"help": "Column holding the text."})
+    block_size: int = field(default=128, metadata={"help": "Training sequences are packed to this many tokens."})
+    max_train_samples: int | None = field(default=None, metadata={"help": "Use only this many training blocks."})
+    max_eval_samples: int | None = field(default=None, metadata={"help": "Use only this many validation blocks."})
+    demo_train_size: int = field(default=20000, metadata={"help": "Sentences generated for the demo corpus."})
+    demo_validation_size: int = field(default=500, metadata={"help": "Validation sentences for the demo corpus."})
+    preprocessing_num_workers: int | None = field(default=None, metadata={"help": "Processes for tokenization."})
+
+
+@dataclass
+class PaperTrainingArguments(NoamArguments, TrainingArguments):
+    """TrainingArguments with the paper's optimiser and schedule as defaults."""
+
+
+class PaperTrainer(NoamTrainerMixin, Trainer):
+    """Trainer with the Noam schedule."""
+
+
+def load_raw_datasets(data_args: DataArguments) -> tuple[DatasetDict, str]:
+    if data_args.dataset_name:
+        return load_dataset(data_args.dataset_name, data_args.dataset_config_name), data_args.dataset_name
+    if data_args.train_file or data_args.validation_file:
+        return load_local_files(data_args.train_file, data_args.validation_file), "local files"
+    return arithmetic_text_dataset(data_args.demo_train_size, data_args.demo_validation_size), DEMO_DATASET
+
+
+def pack_into_blocks(examples: dict[str, list], block_size: int) -> dict[str, list]:
+    """Concatenate the tokenized texts and cut them into `block_size` blocks; the remainder is dropped."""
+    concatenated = {key: list(chain.from_iterable(examples[key])) for key in examples}
+    usable = (len(concatenated["input_ids"]) // block_size) * block_size
+    blocks = {key: [ids[i : i + block_size] for i in range(0, usable, block_size)] for key, ids in concatenated.items()}
+    blocks["labels"] = [list(ids) for ids in blocks["input_ids"]]  # the model shifts labels inside its loss
+    return blocks
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    parser = HfArgumentParser((ModelArguments, DataArguments, PaperTrainingArguments))
+    model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=argv)
+    check_model_arguments(model_args)
+    if data_args.block_size <= 1:
+        raise ValueError(f"--block_size must be at least 2, got {data_args.block_size}.")
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
+    transformers.utils.logging.set_verbosity_warning()
+    set_seed(training_args.seed)
+
+    raw, dataset_label = load_raw_datasets(data_args)
+    column_names = raw[next(iter(raw))].column_names
+    if data_args.text_column not in column_names:
+        raise ValueError(f"--text_column {data_args.text_column!r} is not in the data; it has {column_names}.")
+
+    tokenizer_source = model_args.tokenizer_name or model_args.model_name_or_path
+    if tokenizer_source is None and isinstance(training_args.resume_from_checkpoint, str):
+        tokenizer_source = training_args.resume_from_checkpoint
+    if tokenizer_source is not None:
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_source, trust_remote_code=model_args.trust_remote_code)
+    else:
+        texts = (text for batch in raw["train"].iter(batch_size=1000) for text in batch[data_args.text_column])
+        tokenizer = train_bpe_tokenizer(texts, model_args.tokenizer_vocab_size)
+    if model_args.model_name_or_path:
+        model = AutoModelForCausalLM.from_pretrained(
+            model_args.model_name_or_path, trust_remote_code=model_args.trust_remote_code
+        )
+    else:
+        config = new_model_config(model_args, tokenizer, is_encoder_decoder=False)
+        model = AutoModelForCausalLM.from_config(config)
+
+    def tokenize(batch):  # each text ends with </s> (the tokenizer's post-processor), which separates packed texts
+        return tokenizer(batch[data_args.text_column])
+
+    splits = {}
+    for split, wanted, limit in [
+        ("train", training_args.do_train, data_args.max_train_samples),
+        ("validation", training_args.do_eval, data_args.max_eval_samples),
+    ]:
+        if not wanted:
+            continue
+        if split not in raw:
+            raise ValueError(f"--do_{'train' if split == 'train' else 'eval'} needs a {split} split; got {list(raw)}.")
+        with training_args.main_process_first(desc=f"tokenizing {split}"):
+            tokenized = raw[split].map(
+                tokenize, batched=True, remove_columns=column_names, num_proc=data_args.preprocessing_num_workers
+            )
+            blocks = tokenized.map(
+                pack_into_blocks,
+                batched=True,
+                fn_kwargs={"block_size": data_args.block_size},
+                num_proc=data_args.preprocessing_num_workers,
+                desc=f"Packing {split} into blocks of {data_args.block_size}",
+            )
+        splits[split] = blocks.select(range(min(limit, len(blocks)))) if limit else blocks
+
+    trainer = PaperTrainer(
+        model=model,
+        args=training_args,
+        train_dataset=splits.get("train"),
+        eval_dataset=splits.get("validation"),
+        processing_class=tokenizer,
+        data_collator=default_data_collator,
+    )
+    metrics: dict[str, float] = {}
+    if training_args.do_train:
+        metrics.update(trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint).metrics)
+    if training_args.do_eval:
+        metrics.update(trainer.evaluate())
+        # Perplexity = exp(mean token cross-entropy) on the validation blocks.
+        metrics["eval_perplexity"] = math.exp(min(metrics["eval_loss"], 700.0))
+        trainer.log({"eval_perplexity": metrics["eval_perplexity"]})
+    trainer.log_metrics("all", metrics)
+    recipe = {
+        "preset": model_args.model_name_or_path or model_args.preset,
+        "config_overrides": model_args.config_overrides,
+        "block_size": data_args.block_size,
+        "optimizer": f"Adam(beta1={training_args.adam_beta1}, beta2={training_args.adam_beta2}, "
+        f"eps={training_args.adam_epsilon})",
+        "schedule": f"Noam, scale {training_args.learning_rate}, warm-up {training_args.warmup_steps}"
+        if training_args.noam_schedule
+        else f"{training_args.lr_scheduler_type}, peak {training_args.learning_rate}",
+        "steps": trainer.state.global_step,
+    }
+    description = "Trained with `training/train_causal_lm.py` of hf_vanilla_transformer."
+    save_run(trainer, metrics, dataset_label, dict(training_args=recipe, description=description))
+    if training_args.push_to_hub:
+        trainer.push_to_hub()
+    return metrics
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,270 @@
+"""Train or fine-tune the Transformer for translation (or any text-to-text task) with the paper's recipe.
+
+Defaults follow Vaswani et al. 2017: label smoothing 0.1 (§5.4), Adam(0.9, 0.98, 1e-9) with the Noam schedule and
+4000 warm-up steps (§5.3), and evaluation with beam 4, the GNMT length penalty alpha = 0.6 and a maximum output length
+of input length + 50 (§6.1), scored with BLEU and chrF (sacrebleu).
+
+Data: a Hub dataset (--dataset_name), local files (--train_file/--validation_file), or, with neither, the built-in
+English -> German number-sentence demo (training/demo_data.py). Examples:
+
+    python training/train_seq2seq.py --output_dir out/demo --preset demo-small --do_train --do_eval
+    python training/train_seq2seq.py --output_dir out/wmt --dataset_name wmt14 --dataset_config_name de-en \\
+        --source_lang en --target_lang de --tokenizer_vocab_size 37000 --do_train --do_eval --max_steps 100000
+    accelerate launch --config_file training/accelerate_configs/ddp.yaml training/train_seq2seq.py ...
+"""
+
+import logging
+import sys
+from dataclasses import dataclass, field
+
+import numpy as np
+import sacrebleu
+import transformers
+from datasets import DatasetDict, load_dataset
+from demo_data import number_translation_dataset
+from run_common import (
+    ModelArguments,
+    NoamArguments,
+    NoamTrainerMixin,
+    check_model_arguments,
+    load_local_files,
+    new_model_config,
+    save_run,
+)
+from train_tokenizer import train_bpe_tokenizer
+from transformers import (
+    AutoModelForSeq2SeqLM,
+    AutoTokenizer,
+    DataCollatorForSeq2Seq,
+    HfArgumentParser,
+    Seq2SeqTrainer,
+    Seq2SeqTrainingArguments,
+    set_seed,
+)
+
+import hf_vanilla_transformer  # noqa: F401  (registers the Auto classes)
+
+logger = logging.getLogger(__name__)
+DEMO_DATASET = "num2words-en-de (built-in demo, training/demo_data.py)"
+
+
+@dataclass
+class DataArguments:
+    """Where the sentence pairs come from and how they are cut."""
+
+    dataset_name: str | None = field(default=None, metadata={"help": "A Hub dataset, e.g. wmt14 (needs network)."})
+    dataset_config_name: str | None = field(default=None, metadata={"help": "The Hub dataset's config, e.g. de-en."})
+    train_file: str | None = field(default=None, metadata={"help": "Local training data: json/jsonl/csv/tsv/parquet."})
+    validation_file: str | None = field(default=None, metadata={"help": "Local validation data, same format."})
+    source_column: str | None = field(
+        default=None, metadata={"help": "Column with source texts. Default: a `translation` dict column."}
+    )
+    target_column: str | None = field(default=None, metadata={"help": "Column with target texts."})
+    source_lang: str = field(default="en", metadata={"help": "Source key in the `translation` dicts."})
+    target_lang: str = field(default="de", metadata={"help": "Target key in the `translation` dicts."})
+    max_source_length: int = field(default=256, metadata={"help": "Longer source sequences are truncated (tokens)."})
+    max_target_length: int = field(default=256, metadata={"help": "Longer target sequences are truncated (tokens)."})
+    max_train_samples: int | None = field(default=None, metadata={"help": "Use only this many training examples."})
+    max_eval_samples: int | None = field(default=None, metadata={"help": "Use only this many validation examples."})
+    demo_train_size: int = field(default=20000, metadata={"help": "Training pairs generated for the demo dataset."})
+    demo_validation_size: int = field(default=500, metadata={"help": "Validation pairs generated for the demo."})
+    preprocessing_num_workers: int | None = field(default=None, metadata={"help": "Processes for tokenization."})
+
+
+@dataclass
+class PaperSeq2SeqTrainingArguments(NoamArguments, Seq2SeqTrainingArguments):
+    """Seq2SeqTrainingArguments with the paper's training and decoding recipe as defaults."""
+
+    label_smoothing_factor: float = field(default=0.1, metadata={"help": "Label smoothing (paper §5.4: 0.1)."})
+    predict_with_generate: bool = field(
+        default=True, metadata={"help": "Evaluate by decoding (BLEU, chrF), not only by loss."}
+    )
+    generation_num_beams: int | None = field(default=4, metadata={"help": "Beam size for evaluation (paper: 4)."})
+    gnmt_alpha: float = field(
+        default=0.6, metadata={"help": "Alpha of the GNMT length penalty ((5+|Y|)/6)^alpha in beam search (§6.1: 0.6)."}
+    )
+    max_new_tokens_over_source: int = field(
+        default=50,
+        metadata={
+            "help": "Evaluation decodes at most (source length + this) tokens (paper §6.1: 50). "
+            "--generation_max_length, when given, wins."
+        },
+    )
+
+
+class PaperSeq2SeqTrainer(NoamTrainerMixin, Seq2SeqTrainer):
+    """Seq2SeqTrainer with the Noam schedule and the paper's source-relative output length limit."""
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None, **gen_kwargs):
+        if not gen_kwargs and getattr(self, "_gen_kwargs", None):
+            gen_kwargs = self._gen_kwargs.copy()
+        if gen_kwargs.get("max_length") is None:
+            # tensor2tensor's decode_length: the (padded) source length of the batch + 50, after the start token.
+            gen_kwargs["max_length"] = 1 + inputs["input_ids"].shape[1] + self.args.max_new_tokens_over_source
+        return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys, **gen_kwargs)
+
+
+def load_raw_datasets(data_args: DataArguments) -> tuple[DatasetDict, str]:
+    """The raw splits and the dataset's name for the model card."""
+    if data_args.dataset_name:
+        return load_dataset(data_args.dataset_name, data_args.dataset_config_name), data_args.dataset_name
+    if data_args.train_file or data_args.validation_file:
+        return load_local_files(data_args.train_file, data_args.validation_file), "local files"
+    demo = number_translation_dataset(data_args.demo_train_size, data_args.demo_validation_size)
+    return demo, DEMO_DATASET
+
+
+def source_target_columns(data_args: DataArguments, column_names: list[str]) -> tuple[str, str] | None:
+    """The (source, target) columns, or None for a `translation` dict column; missing columns raise ValueError."""
+    if data_args.source_column or data_args.target_column:
+        columns = (data_args.source_column, data_args.target_column)
+        missing = [name for name in columns if name not in column_names]
+        if missing:
+            raise ValueError(f"Columns {missing} are not in the data; it has {column_names}.")
+        return columns
+    if "translation" not in column_names:
+        raise ValueError(f"No `translation` column in {column_names}: pass --source_column and --target_column.")
+    return None
+
+
+def pair_texts(batch: dict, columns: tuple[str, str] | None, data_args: DataArguments) -> tuple[list, list]:
+    if columns is not None:
+        return batch[columns[0]], batch[columns[1]]
+    pairs = batch["translation"]
+    return [p[data_args.source_lang] for p in pairs], [p[data_args.target_lang] for p in pairs]
+
+
+def load_tokenizer(model_args: ModelArguments, training_args, raw: DatasetDict, texts_of) -> transformers.AutoTokenizer:
+    """--tokenizer_name, else the fine-tuned model's, else the checkpoint being resumed, else a new shared BPE."""
+    source = model_args.tokenizer_name or model_args.model_name_or_path
+    if source is None and isinstance(training_args.resume_from_checkpoint, str):
+        source = training_args.resume_from_checkpoint
+    if source is not None:
+        return AutoTokenizer.from_pretrained(source, trust_remote_code=model_args.trust_remote_code)
+    logger.info("Training a %d-token shared BPE tokenizer on the training data", model_args.tokenizer_vocab_size)
+    return train_bpe_tokenizer(texts_of(raw["train"]), model_args.tokenizer_vocab_size)
+
+
+def bleu_and_chrf(tokenizer):
+    """compute_metrics for Seq2SeqTrainer. `evaluate.load("sacrebleu")` fetches its metric script from the Hub and
+    fails offline, so sacrebleu (which that script wraps) is called directly; the scores are the same."""
+
+    def compute_metrics(eval_prediction) -> dict[str, float]:
+        predictions, labels = eval_prediction
+        predictions = np.where(predictions < 0, tokenizer.pad_token_id, predictions)
+        labels = np.where(labels < 0, tokenizer.pad_token_id, labels)
+        hypotheses = [text.strip() for text in tokenizer.batch_decode(predictions, skip_special_tokens=True)]
+        references = [text.strip() for text in tokenizer.batch_decode(labels, skip_special_tokens=True)]
+        return {
+            "bleu": sacrebleu.corpus_bleu(hypotheses, [references]).score,
+            "chrf": sacrebleu.corpus_chrf(hypotheses, [references]).score,
+        }
+
+    return compute_metrics
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    parser = HfArgumentParser((ModelArguments, DataArguments, PaperSeq2SeqTrainingArguments))
+    model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=argv)
+    check_model_arguments(model_args)
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
+    transformers.utils.logging.set_verbosity_warning()
+    set_seed(training_args.seed)
+
+    raw, dataset_label = load_raw_datasets(data_args)
+    columns = source_target_columns(data_args, raw[next(iter(raw))].column_names)
+
+    def texts_of(split):  # source and target text together: the BPE vocabulary is shared (§5.1)
+        for batch in split.iter(batch_size=1000):
+            sources, targets = pair_texts(batch, columns, data_args)
+            yield from sources
+            yield from targets
+
+    tokenizer = load_tokenizer(model_args, training_args, raw, texts_of)
+    if model_args.model_name_or_path:
+        model = AutoModelForSeq2SeqLM.from_pretrained(
+            model_args.model_name_or_path, trust_remote_code=model_args.trust_remote_code
+        )
+    else:
+        model = AutoModelForSeq2SeqLM.from_config(new_model_config(model_args, tokenizer))
+    # The paper's decoding becomes the saved model's default (generation_config.json), so pipelines decode alike.
+    model.generation_config.update(
+        num_beams=training_args.generation_num_beams or 1,
+        length_penalty=training_args.gnmt_alpha,
+        length_penalty_type="gnmt",
+        max_length=1 + data_args.max_source_length + training_args.max_new_tokens_over_source,
+        allow_custom_entries=True,
+    )
+
+    def preprocess(batch):
+        sources, targets = pair_texts(batch, columns, data_args)
+        features = tokenizer(sources, max_length=data_args.max_source_length, truncation=True)
+        labels = tokenizer(text_target=targets, max_length=data_args.max_target_length, truncation=True)
+        return features | {"labels": labels["input_ids"]}
+
+    splits = {}
+    for split, wanted, limit in [
+        ("train", training_args.do_train, data_args.max_train_samples),
+        ("validation", training_args.do_eval, data_args.max_eval_samples),
+    ]:
+        if not wanted:
+            continue
+        if split not in raw:
+            raise ValueError(f"--do_{'train' if split == 'train' else 'eval'} needs a {split} split; got {list(raw)}.")
+        data = raw[split].select(range(min(limit, len(raw[split])))) if limit else raw[split]
+        with training_args.main_process_first(desc=f"tokenizing {split}"):
+            splits[split] = data.map(
+                preprocess,
+                batched=True,
+                remove_columns=data.column_names,
+                num_proc=data_args.preprocessing_num_workers,
+                desc=f"Tokenizing {split}",
+            )
+
+    trainer = PaperSeq2SeqTrainer(
+        model=model,
+        args=training_args,
+        train_dataset=splits.get("train"),
+        eval_dataset=splits.get("validation"),
+        processing_class=tokenizer,
+        data_collator=DataCollatorForSeq2Seq(tokenizer, model=model, pad_to_multiple_of=8),
+        compute_metrics=bleu_and_chrf(tokenizer) if training_args.predict_with_generate else None,
+    )
+    metrics: dict[str, float] = {}
+    if training_args.do_train:
+        train_result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+        metrics.update(train_result.metrics)
+    if training_args.do_eval:
+        metrics.update(trainer.evaluate(metric_key_prefix="eval"))
+    trainer.log_metrics("all", metrics)
+    recipe = {
+        "preset": model_args.model_name_or_path or model_args.preset,
+        "config_overrides": model_args.config_overrides,
+        "label_smoothing": training_args.label_smoothing_factor,
+        "optimizer": f"Adam(beta1={training_args.adam_beta1}, beta2={training_args.adam_beta2}, "
+        f"eps={training_args.adam_epsilon})",
+        "schedule": f"Noam, scale {training_args.learning_rate}, warm-up {training_args.warmup_steps}"
+        if training_args.noam_schedule
+        else f"{training_args.lr_scheduler_type}, peak {training_args.learning_rate}",
+        "steps": trainer.state.global_step,
+        "batch size per device": training_args.per_device_train_batch_size,
+        "evaluation decoding": f"beam {training_args.generation_num_beams}, GNMT alpha {training_args.gnmt_alpha}, "
+        f"max length source + {training_args.max_new_tokens_over_source}",
+    }
+    language = [data_args.source_lang, data_args.target_lang] if columns is None else None
+    description = "Trained with `training/train_seq2seq.py` of hf_vanilla_transformer" + (
+        " on the built-in English -> German number-sentence demo data." if dataset_label == DEMO_DATASET else "."
+    )
+    save_run(
+        trainer,
+        metrics,
+        dataset_label,
+        dict(training_args=recipe, language=language, description=description, pipeline_tag="translation"),
+    )
+    if training_args.push_to_hub:
+        trainer.push_to_hub()
+    return metrics
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -8,7 +8,9 @@ attention projections already use our names (`q_proj`, `k_proj`, `v_proj`, `out_
 
 Command line (keeps the Marian tokenizer files, so `AutoTokenizer.from_pretrained(DST_DIR)` still works):
 
-    python -m hf_vanilla_transformer.convert_marian_vanilla_transformer SRC_DIR DST_DIR
+    convert-marian-to-vanilla-transformer SRC_DIR DST_DIR
+    python -m hf_vanilla_transformer.convert_marian_vanilla_transformer SRC_DIR DST_DIR  # same; runpy warns
+                                                                       # harmlessly that the package imported it
 """
 
 import argparse

@@ -410,7 +410,8 @@ SEQ2SEQ_AUTO_MAP = {
 class VanillaTransformerModel(VanillaTransformerPreTrainedModel):
     """Encoder-decoder without a head. `shared` is the target embedding, and also the source one by default (§3.4)."""
 
-    _auto_map = SEQ2SEQ_AUTO_MAP
+    # AutoModel only: saving this class copies this file and its imports, which do not include the heads module.
+    _auto_map = {"AutoModel": SEQ2SEQ_AUTO_MAP["AutoModel"]}
     _tied_weights_keys = {
         "decoder.embed_tokens.weight": "shared.weight",
         "encoder.embed_tokens.weight": "shared.weight",

@@ -14,6 +14,8 @@ import transformers
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 from transformers import PreTrainedConfig, PreTrainedModel
 
+from .configuration_vanilla_transformer import GATED_FFN_TYPES
+
 TEMPLATE_PATH = Path(__file__).with_name("model_card_template.md")
 PLACEHOLDER_REPO_ID = "<user>/<model>"
 
@@ -97,29 +99,37 @@ def stack_description(config: PreTrainedConfig, head: str) -> str:
     return f"{stack_kind(head)}, {layers[stack_kind(head)]} layers"
 
 
+def paper(value: Any, paper_value: Any) -> str:
+    """A config value in backticks, marked when it is the paper's choice."""
+    return f"`{value}` (paper)" if value == paper_value else f"`{value}`"
+
+
+def positions_description(config: PreTrainedConfig) -> str:
+    details = {
+        "sinusoidal": f", {config.sinusoidal_layout} sin/cos",
+        "rope": f", theta = {config.rope_theta:g}",
+        "learned": f", at most {config.max_position_embeddings} positions",
+        "none": "",
+    }
+    return paper(config.position_embedding_type, "sinusoidal") + details[config.position_embedding_type]
+
+
+def experts_description(config: PreTrainedConfig) -> str:
+    if not config.num_experts:
+        return "dense FFN (paper)"
+    layers = "every layer" if config.moe_layer_frequency == 1 else f"every {config.moe_layer_frequency}th layer"
+    return (
+        f"{config.num_experts} experts, top-{config.num_experts_per_tok}, {config.num_shared_experts} shared, "
+        f"{layers} of the {config.moe_stacks} stack(s)"
+    )
+
+
 def architecture_rows(config: PreTrainedConfig, head: str) -> list[tuple[str, str]]:
     """The card's architecture table: one row per variant axis, with the paper's value marked."""
-
-    def paper(value: Any, paper_value: Any) -> str:
-        return f"`{value}` (paper)" if value == paper_value else f"`{value}`"
-
     kv_heads = f", {config.num_key_value_heads} key/value heads" if config.num_key_value_heads else ""
     ffn = f"{paper(config.ffn_type, 'relu')}, d_ff = {config.encoder_ffn_dim} / {config.decoder_ffn_dim}"
-    if config.ffn_type in ("glu", "bilinear", "reglu", "geglu", "swiglu"):
+    if config.ffn_type in GATED_FFN_TYPES:
         ffn += f" (gated hidden size {config.gated_hidden_size(config.encoder_ffn_dim)})"
-    positions = paper(config.position_embedding_type, "sinusoidal")
-    if config.position_embedding_type == "sinusoidal":
-        positions += f", {config.sinusoidal_layout} sin/cos"
-    elif config.position_embedding_type == "rope":
-        positions += f", theta = {config.rope_theta:g}"
-    elif config.position_embedding_type == "learned":
-        positions += f", at most {config.max_position_embeddings} positions"
-    experts = "dense FFN (paper)"
-    if config.num_experts:
-        experts = (
-            f"{config.num_experts} experts, top-{config.num_experts_per_tok}, {config.num_shared_experts} shared, "
-            f"in the {config.moe_stacks} stack(s), every {config.moe_layer_frequency}. layer"
-        )
     return [
         ("Stacks", stack_description(config, head)),
         ("Model width", f"d_model = {config.d_model}"),
@@ -127,11 +137,11 @@ def architecture_rows(config: PreTrainedConfig, head: str) -> list[tuple[str, st
         ("Feed-forward", ffn),
         ("Normalisation", f"{paper(config.norm_type, 'layernorm')}, eps = {config.norm_eps:g}"),
         ("Norm position", paper(config.norm_position, "post")),
-        ("Positions", positions),
+        ("Positions", positions_description(config)),
         ("Embeddings scaled by sqrt(d_model)", paper(config.scale_embedding, True)),
         ("Source/target embeddings shared", paper(config.share_encoder_decoder_embeddings, True)),
         ("Output projection tied to embeddings", paper(config.tie_word_embeddings, True)),
-        ("Experts", experts),
+        ("Experts", experts_description(config)),
         ("Vocabulary", str(config.vocab_size)),
         (
             "Dropout (residual / attention / activation)",

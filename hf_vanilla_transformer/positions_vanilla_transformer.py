@@ -8,6 +8,7 @@ that self-attention applies to queries and keys. None of them keeps a buffer, so
 
 import torch
 from torch import nn
+from transformers.utils import is_torchdynamo_compiling
 
 from .configuration_vanilla_transformer import VanillaTransformerConfig
 
@@ -48,7 +49,8 @@ class LearnedPositionalEmbedding(nn.Embedding):
         super().__init__(config.max_position_embeddings, config.d_model)
 
     def forward(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor) -> PositionOutput:
-        if position_ids.numel() and int(position_ids.max()) >= self.num_embeddings:
+        # A data-dependent check (one host sync); skipped while compiling, as for out-of-vocabulary token ids.
+        if not is_torchdynamo_compiling() and position_ids.numel() and int(position_ids.max()) >= self.num_embeddings:
             raise ValueError(
                 f"Position {int(position_ids.max())} is past max_position_embeddings={self.num_embeddings} "
                 "(position_embedding_type='learned'); shorten the input or raise max_position_embeddings."

@@ -288,6 +288,23 @@ def test_learned_positions_raise_past_max_position_embeddings() -> None:
         seq2seq(torch.randint(3, 64, (1, 9)), decoder_input_ids=torch.ones(1, 2, dtype=torch.long))
 
 
+@pytest.mark.parametrize("position_embedding_type", ["rope", "learned"])
+def test_causal_lm_static_cache_equals_dynamic_cache(position_embedding_type: str) -> None:
+    """Left-padded prompts, GQA: a static cache gives the same tokens and logits as the dynamic one."""
+    torch.manual_seed(0)
+    config = tiny_config(position_embedding_type=position_embedding_type, num_key_value_heads=2, norm_position="pre")
+    model = VanillaTransformerForCausalLM(config).eval()
+    inputs = head_inputs("causal")
+    settings = dict(
+        max_new_tokens=5, min_new_tokens=5, do_sample=False, output_logits=True, return_dict_in_generate=True
+    )
+    prompt = dict(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"])
+    dynamic = model.generate(**prompt, **settings)
+    static = model.generate(**prompt, cache_implementation="static", **settings)
+    assert torch.equal(static.sequences, dynamic.sequences)
+    torch.testing.assert_close(torch.stack(static.logits), torch.stack(dynamic.logits), atol=1e-5, rtol=1e-5)
+
+
 # --- parity --------------------------------------------------------------------------------------------------------
 
 

@@ -24,6 +24,7 @@ FFN_ACTIVATIONS = {
 
 
 def ffn_activation(config: VanillaTransformerConfig) -> nn.Module:
+    """The activation of `config.ffn_type` (on the gate for gated types), from transformers' ACT2FN."""
     return ACT2FN[FFN_ACTIVATIONS[config.ffn_type]]
 
 
@@ -59,4 +60,8 @@ class GatedFeedForward(nn.Module):
 
 
 def build_feed_forward(config: VanillaTransformerConfig, ffn_dim: int) -> nn.Module:
+    """The FFN of `config.ffn_type`; gated types get 2/3 of `ffn_dim` (see `config.gated_hidden_size`)."""
     return GatedFeedForward(config, ffn_dim) if config.ffn_type in GATED_FFN_TYPES else FeedForward(config, ffn_dim)
+
+
+__all__ = ["FeedForward", "GatedFeedForward", "build_feed_forward", "ffn_activation", "FFN_ACTIVATIONS"]

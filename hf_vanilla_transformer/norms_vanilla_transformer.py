@@ -37,7 +37,9 @@ def deepnorm_constants(config: VanillaTransformerConfig, stack: Literal["encoder
 DEEPNORM_SCALED_PROJECTIONS = ("v_proj", "out_proj", "fc1", "fc2", "gate_proj", "up_proj", "down_proj")
 
 
-def set_deepnorm_init_gains(layer: nn.Module, config: VanillaTransformerConfig, stack: Literal["encoder", "decoder"]):
+def set_deepnorm_init_gains(
+    layer: nn.Module, config: VanillaTransformerConfig, stack: Literal["encoder", "decoder"]
+) -> None:
     """Store the DeepNet init gain on each linear of `layer` as `deepnorm_gain`, for `_init_weights` to apply.
 
     The gain lives on the linear itself because transformers initialises module by module and, for custom-code
@@ -80,3 +82,6 @@ class SublayerConnection(nn.Module):
 def has_final_norm(config: VanillaTransformerConfig) -> bool:
     """Pre-norm stacks leave the residual stream un-normalised, so each stack ends with one more norm."""
     return config.norm_position in ("pre", "sandwich")
+
+
+__all__ = ["SublayerConnection", "build_norm", "deepnorm_constants", "has_final_norm", "set_deepnorm_init_gains"]

@@ -91,3 +91,13 @@ POSITION_EMBEDDINGS = {
     "rope": RotaryEmbedding,
     "none": NoPositionalEmbedding,
 }
+
+
+__all__ = [
+    "POSITION_EMBEDDINGS",
+    "LearnedPositionalEmbedding",
+    "NoPositionalEmbedding",
+    "RotaryEmbedding",
+    "SinusoidalPositionalEmbedding",
+    "sinusoidal_position_encoding",
+]

@@ -37,7 +37,7 @@ def main() -> None:
     args = parser.parse_args()
 
     # trust_remote_code: the code is read from the saved directory, so this works without the package installed.
-    tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(args.model_dir, trust_remote_code=True)
     model = AutoModelForSeq2SeqLM.from_pretrained(args.model_dir, trust_remote_code=True).eval()
     # Same generator and seed as training: these sentences were held out from the training split.
     pairs = number_translation_dataset(num_train=0, num_validation=args.demo_validation_size)["validation"]

@@ -72,7 +72,9 @@ class SublayerConnection(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, sublayer: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         if self.norm_position in ("post", "deepnorm"):
-            return self.norm(self.residual_scale * hidden_states + self.dropout(sublayer(hidden_states)))
+            # alpha = 1 (post-LN) would cost a full-size multiply forward and backward for nothing.
+            residual = hidden_states if self.residual_scale == 1.0 else self.residual_scale * hidden_states
+            return self.norm(residual + self.dropout(sublayer(hidden_states)))
         output = sublayer(self.norm(hidden_states))
         if self.sandwich_norm is not None:
             output = self.sandwich_norm(output)

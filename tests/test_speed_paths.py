@@ -1,6 +1,6 @@
 """Checks for the shortcuts taken for speed (benchmarks/): each must leave results unchanged.
 
-    python -m pytest -q tests/test_speed_paths.py
+python -m pytest -q tests/test_speed_paths.py
 """
 
 import torch

@@ -1,0 +1,137 @@
+"""Measurement helpers: alternating A/B timing, peak tensor memory, peak matmul throughput, environment facts."""
+
+import itertools
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import transformers
+from torch.profiler import ProfilerActivity, profile
+from torch.profiler._memory_profiler import Action, MemoryProfile
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@dataclass
+class ABTiming:
+    """Seconds per call of two candidates timed in alternation; `ratio` is the median of the per-round speed ratios
+    a/b (time_b / time_a), which cancels slow drifts of a shared machine better than a ratio of medians."""
+
+    seconds_a: list[float]
+    seconds_b: list[float]
+
+    @property
+    def median_a(self) -> float:
+        return statistics.median(self.seconds_a)
+
+    @property
+    def median_b(self) -> float:
+        return statistics.median(self.seconds_b)
+
+    @property
+    def ratio(self) -> float:
+        return statistics.median(b / a for a, b in zip(self.seconds_a, self.seconds_b))
+
+
+# Wall time is what a user waits for. Process CPU time (with one thread) ignores the time a busy shared machine keeps
+# the process off the CPU, so it gives steadier ratios there; with several threads it also counts their spin-waits.
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def time_alternating(
+    run_a: Callable[[], object],
+    run_b: Callable[[], object],
+    repeats: int,
+    device: torch.device,
+    clock: str = "wall",
+    warmup: int = 1,
+) -> ABTiming:
+    """Time `run_a` and `run_b` in alternating rounds (a then b, then b then a, ...) after `warmup` calls of each."""
+    now = CLOCKS[clock]
+    for _ in range(warmup):
+        run_a(), run_b()
+    seconds: dict[str, list[float]] = {"a": [], "b": []}
+    for round_idx in range(repeats):
+        order = [("a", run_a), ("b", run_b)]
+        for name, run in order if round_idx % 2 == 0 else reversed(order):
+            synchronize(device)
+            start = now()
+            run()
+            synchronize(device)
+            seconds[name].append(now() - start)
+    return ABTiming(seconds["a"], seconds["b"])
+
+
+def peak_memory_bytes(run: Callable[[], object], persistent_bytes: int, device: torch.device) -> int:
+    """Peak bytes of live tensors while `run()` executes, counting `persistent_bytes` that exist before it.
+
+    CUDA: the caching allocator's own high-water mark. CPU has no allocator statistics, so the profiler's memory
+    timeline (every tensor allocation and free, as seen by torch) is replayed and its running sum's maximum taken.
+    Both count tensor storage only: not the Python heap, not allocator fragmentation or cached free blocks.
+    """
+    if device.type == "cuda":
+        synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        run()
+        synchronize(device)
+        return torch.cuda.max_memory_allocated(device)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+    sign = {Action.CREATE: 1, Action.DESTROY: -1}
+    deltas = (sign.get(action, 0) * size for _, action, _, size in MemoryProfile(prof.profiler.kineto_results).timeline)
+    return persistent_bytes + max(itertools.accumulate(deltas, initial=0))
+
+
+def tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    return tensor_bytes(v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v))
+
+
+def matmul_peak_flops(size: int, dtype: torch.dtype, device: torch.device, repeats: int) -> float:
+    """FLOP/s of one large square matmul (median of `repeats`): the denominator of MFU on this machine."""
+    a = torch.randn(size, size, dtype=dtype, device=device)
+    b = torch.randn(size, size, dtype=dtype, device=device)
+    a @ b
+    seconds = []
+    for _ in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        a @ b
+        synchronize(device)
+        seconds.append(time.perf_counter() - start)
+    return 2 * size**3 / statistics.median(seconds)
+
+
+def environment(device: torch.device) -> dict:
+    info = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "threads": torch.get_num_threads(),
+        "device": device.type,
+    }
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    else:
+        info["cpu"] = cpu_name()
+    return info
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

@@ -7,6 +7,8 @@ reference stacks, and projects with our `lm_head`. Everything in between is torc
 Used by the post-norm parity test (tests/test_core.py) and the pre-norm one (tests/test_variants.py).
 """
 
+import warnings
+
 import torch
 from torch import nn
 
@@ -56,19 +58,21 @@ def copy_into_torch_transformer(model: VanillaTransformerForConditionalGeneratio
     """
     config = model.config
     _check_comparable(config)
-    reference = nn.Transformer(
-        d_model=config.d_model,
-        nhead=config.encoder_attention_heads,
-        num_encoder_layers=config.encoder_layers,
-        num_decoder_layers=config.decoder_layers,
-        dim_feedforward=config.encoder_ffn_dim,
-        dropout=0.0,
-        activation=TORCH_ACTIVATIONS[config.ffn_type],
-        layer_norm_eps=config.norm_eps,
-        batch_first=True,
-        norm_first=config.norm_position == "pre",
-        bias=config.use_bias,
-    )
+    with warnings.catch_warnings():  # "enable_nested_tensor is True, but ... norm_first": irrelevant, fast path is off
+        warnings.filterwarnings("ignore", message="enable_nested_tensor")
+        reference = nn.Transformer(
+            d_model=config.d_model,
+            nhead=config.encoder_attention_heads,
+            num_encoder_layers=config.encoder_layers,
+            num_decoder_layers=config.decoder_layers,
+            dim_feedforward=config.encoder_ffn_dim,
+            dropout=0.0,
+            activation=TORCH_ACTIVATIONS[config.ffn_type],
+            layer_norm_eps=config.norm_eps,
+            batch_first=True,
+            norm_first=config.norm_position == "pre",
+            bias=config.use_bias,
+        )
     for ours, theirs in zip(model.model.encoder.layers, reference.encoder.layers, strict=True):
         _copy_attention(theirs.self_attn, ours.self_attn)
         _copy_ffn(theirs, ours.mlp)

@@ -49,7 +49,20 @@ class VanillaTransformerConfig(PreTrainedConfig):
     """
 
     model_type = "vanilla_transformer"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    # Outputs the Trainer's evaluation loop must not collect as predictions (MoE losses are scalars, router logits
+    # are per-layer tuples whose shapes differ between batches).
+    keys_to_ignore_at_inference = [
+        "past_key_values",
+        "router_logits",
+        "encoder_router_logits",
+        "decoder_router_logits",
+        "aux_loss",
+        "z_loss",
+        "encoder_aux_loss",
+        "decoder_aux_loss",
+        "encoder_z_loss",
+        "decoder_z_loss",
+    ]
     attribute_map = {
         "hidden_size": "d_model",
         "num_hidden_layers": "encoder_layers",

@@ -8,6 +8,7 @@ from transformers.modeling_outputs import (
     BaseModelOutput,
     CausalLMOutputWithPast,
     Seq2SeqLMOutput,
+    Seq2SeqMoEOutput,
     SequenceClassifierOutput,
 )
 from transformers.models.bart.modeling_bart import shift_tokens_right
@@ -23,6 +24,7 @@ from .modeling_vanilla_transformer import (
     VanillaTransformerModel,
     VanillaTransformerPreTrainedModel,
 )
+from .moe_vanilla_transformer import MoeCausalLMOutput, RouterLosses, attach_router_loss, wants_router_losses
 
 
 def lm_logits(lm_head: nn.Linear, hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
@@ -87,14 +89,21 @@ class VanillaTransformerForConditionalGeneration(VanillaTransformerPreTrainedMod
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs: Unpack[TransformersKwargs],
-    ) -> Seq2SeqLMOutput:
+    ) -> Seq2SeqLMOutput | Seq2SeqMoEOutput:
         r"""
         labels (`torch.LongTensor` of shape `(batch_size, target_length)`, *optional*):
             Target token ids, -100 where ignored. Without `decoder_input_ids` the decoder input is `labels` shifted
             right behind `decoder_start_token_id` (teacher forcing).
+
+        With experts (`num_experts > 0`) the output is a `Seq2SeqMoEOutput` with per-stack balancing and z-losses;
+        their weighted sum is already in the gradient of any loss built from `logits` (see `attach_router_loss`).
         """
         if labels is not None and decoder_input_ids is None and decoder_inputs_embeds is None:
             decoder_input_ids = self.prepare_decoder_input_ids_from_labels(labels)
+        return_router_logits = kwargs.pop("output_router_logits", self.config.output_router_logits)
+        with_router_losses = wants_router_losses(self.config, labels, return_router_logits)
+        if with_router_losses or return_router_logits:
+            kwargs["output_router_logits"] = True
         outputs = self.model(
             input_ids,
             attention_mask=attention_mask,
@@ -108,12 +117,22 @@ class VanillaTransformerForConditionalGeneration(VanillaTransformerPreTrainedMod
             **kwargs,
         )
         logits = lm_logits(self.lm_head, outputs.last_hidden_state, logits_to_keep)
+        router = None
+        if with_router_losses:
+            router = RouterLosses.of_stacks(
+                self.config,
+                encoder=(outputs.encoder_router_logits, attention_mask),
+                decoder=(outputs.decoder_router_logits, decoder_attention_mask),
+            )
+            logits = attach_router_loss(logits, router.total)
         loss = None
         if labels is not None:
             # Summed over tokens and divided by num_items_in_batch when the Trainer passes it: exact under
             # gradient accumulation, unlike a per-batch mean.
             loss = self.loss_function(logits, labels, vocab_size=self.config.vocab_size, **kwargs)
-        return Seq2SeqLMOutput(
+            if router is not None:  # reported value only: the gradient flows through the logits
+                loss = loss + router.total.detach()
+        fields = dict(
             loss=loss,
             logits=logits,
             past_key_values=outputs.past_key_values,
@@ -123,6 +142,14 @@ class VanillaTransformerForConditionalGeneration(VanillaTransformerPreTrainedMod
             encoder_last_hidden_state=outputs.encoder_last_hidden_state,
             encoder_hidden_states=outputs.encoder_hidden_states,
             encoder_attentions=outputs.encoder_attentions,
+        )
+        if self.config.num_experts == 0:
+            return Seq2SeqLMOutput(**fields)
+        return Seq2SeqMoEOutput(
+            **fields,
+            **(router.output_fields("{stack}_{kind}_loss") if router is not None else {}),
+            encoder_router_logits=outputs.encoder_router_logits if return_router_logits else None,
+            decoder_router_logits=outputs.decoder_router_logits if return_router_logits else None,
         )
 
 
@@ -159,11 +186,18 @@ class VanillaTransformerForCausalLM(VanillaTransformerPreTrainedModel, Generatio
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs: Unpack[TransformersKwargs],
-    ) -> CausalLMOutputWithPast:
+    ) -> CausalLMOutputWithPast | MoeCausalLMOutput:
         r"""
         labels (`torch.LongTensor` of shape `(batch_size, length)`, *optional*):
             Usually `input_ids`; they are shifted inside the loss, -100 where ignored.
+
+        With experts the output is a `MoeCausalLMOutput` (Mixtral's, plus `z_loss`); the weighted router losses are
+        already in the gradient of any loss built from `logits` (see `attach_router_loss`).
         """
+        return_router_logits = kwargs.pop("output_router_logits", self.config.output_router_logits)
+        with_router_losses = wants_router_losses(self.config, labels, return_router_logits)
+        if with_router_losses or return_router_logits:
+            kwargs["output_router_logits"] = True
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -174,15 +208,28 @@ class VanillaTransformerForCausalLM(VanillaTransformerPreTrainedModel, Generatio
             **kwargs,
         )
         logits = lm_logits(self.lm_head, outputs.last_hidden_state, logits_to_keep)
+        router = None
+        if with_router_losses:
+            router = RouterLosses.of_stacks(self.config, decoder=(outputs.router_logits, attention_mask))
+            logits = attach_router_loss(logits, router.total)
         loss = None
         if labels is not None:
             loss = self.loss_function(logits, labels, vocab_size=self.config.vocab_size, **kwargs)
-        return CausalLMOutputWithPast(
+            if router is not None:  # reported value only: the gradient flows through the logits
+                loss = loss + router.total.detach()
+        fields = dict(
             loss=loss,
             logits=logits,
             past_key_values=outputs.past_key_values,
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
+        )
+        if self.config.num_experts == 0:
+            return CausalLMOutputWithPast(**fields)
+        return MoeCausalLMOutput(
+            **fields,
+            **(router.output_fields("{kind}_loss") if router is not None else {}),
+            router_logits=outputs.router_logits if return_router_logits else None,
         )
 
 

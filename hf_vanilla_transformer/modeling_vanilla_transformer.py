@@ -11,13 +11,10 @@ import torch
 from torch import nn
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
+from transformers.integrations.moe import use_experts_implementation
 from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.modeling_outputs import (
-    BaseModelOutput,
-    BaseModelOutputWithPastAndCrossAttentions,
-    Seq2SeqModelOutput,
-)
+from transformers.modeling_outputs import BaseModelOutput, Seq2SeqModelOutput, Seq2SeqMoEModelOutput
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, eager_attention_forward
 from transformers.processing_utils import Unpack
@@ -25,8 +22,16 @@ from transformers.utils import TransformersKwargs, can_return_tuple, is_torchdyn
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
-from .configuration_vanilla_transformer import VanillaTransformerConfig
-from .feed_forward_vanilla_transformer import build_feed_forward
+from .configuration_vanilla_transformer import GATED_FFN_TYPES, VanillaTransformerConfig
+from .feed_forward_vanilla_transformer import build_feed_forward, ffn_activation
+from .moe_vanilla_transformer import (
+    MoeDecoderOutput,
+    MoeEncoderOutput,
+    VanillaTransformerRouter,
+    VanillaTransformerSparseMoeBlock,
+    feed_forward_sublayer,
+    init_moe_weights,
+)
 from .norms_vanilla_transformer import (
     SublayerConnection,
     build_norm,
@@ -133,9 +138,65 @@ class VanillaTransformerAttention(nn.Module):
         return self.out_proj(attn_output), attn_weights
 
 
+@use_experts_implementation
+class VanillaTransformerExperts(nn.Module):
+    """`num_experts` FFNs of `config.ffn_type` (§3.3 or a GLU variant) stored as 3D tensors in Mixtral's layout, so
+    transformers' `grouped_mm`/`batched_mm` kernels run them: gated types fuse [gate; up] in `gate_up_proj`
+    (E, 2I, H), ungated ones have `up_proj` (E, I, H); `down_proj` is (E, H, I); `*_bias` when `config.use_bias`."""
+
+    def __init__(self, config: VanillaTransformerConfig, num_experts: int, ffn_dim: int):
+        super().__init__()
+        gated = config.ffn_type in GATED_FFN_TYPES
+        hidden = config.gated_hidden_size(ffn_dim) if gated else ffn_dim
+        up_name, up_rows = ("gate_up_proj", 2 * hidden) if gated else ("up_proj", hidden)
+        self.num_experts = num_experts
+        self.register_parameter(up_name, nn.Parameter(torch.empty(num_experts, up_rows, config.d_model)))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, config.d_model, hidden))
+        if config.use_bias:
+            self.register_parameter(f"{up_name}_bias", nn.Parameter(torch.empty(num_experts, up_rows)))
+            self.down_proj_bias = nn.Parameter(torch.empty(num_experts, config.d_model))
+        self.activation = ffn_activation(config)
+        self.activation_dropout = nn.Dropout(config.activation_dropout)
+
+    # The decorator fixes `has_gate`/`has_bias` per class and assigns them at init; here they depend on the config,
+    # so they are read off the parameters that exist and the decorator's assignment is ignored.
+    has_gate = property(lambda self: "gate_up_proj" in self._parameters, lambda self, value: None)
+    has_bias = property(lambda self: "down_proj_bias" in self._parameters, lambda self, value: None)
+
+    def act_fn(self, up: torch.Tensor) -> torch.Tensor:
+        """Hidden activation of an ungated expert (the kernels call it by this name)."""
+        return self.activation_dropout(self.activation(up))
+
+    def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """Hidden activation of a gated expert: act(gate) * up (Shazeer 2020)."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.activation_dropout(self.activation(gate) * up)
+
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """The eager path, one expert at a time: hidden_states (T, H), top_k_index and top_k_weights (T, k) -> (T, H),
+        each token's sum over its choices of weight * FFN_expert(x)."""
+        up_name = "gate_up_proj" if self.has_gate else "up_proj"
+        output = torch.zeros_like(hidden_states)
+        for expert in top_k_index.unique().tolist():
+            token, choice = torch.where(top_k_index == expert)
+            up = nn.functional.linear(hidden_states[token], getattr(self, up_name)[expert], self._bias(up_name, expert))
+            hidden = self._apply_gate(up) if self.has_gate else self.act_fn(up)
+            expert_output = nn.functional.linear(hidden, self.down_proj[expert], self._bias("down_proj", expert))
+            output.index_add_(0, token, (expert_output * top_k_weights[token, choice, None]).to(output.dtype))
+        return output
+
+    def _bias(self, projection: str, expert: int) -> torch.Tensor | None:
+        return getattr(self, f"{projection}_bias")[expert] if self.has_bias else None
+
+
 def build_mlp(config: VanillaTransformerConfig, stack: Stack, layer_idx: int) -> nn.Module:
-    """The position-wise FFN of one layer (§3.3)."""
-    return build_feed_forward(config, config.encoder_ffn_dim if stack == "encoder" else config.decoder_ffn_dim)
+    """The position-wise FFN of one layer (§3.3), or a Mixture of Experts in the layers `config.is_moe_layer` picks."""
+    ffn_dim = config.encoder_ffn_dim if stack == "encoder" else config.decoder_ffn_dim
+    if config.is_moe_layer(stack, layer_idx):
+        return VanillaTransformerSparseMoeBlock(config, stack, ffn_dim, VanillaTransformerExperts)
+    return build_feed_forward(config, ffn_dim)
 
 
 def residual_scale(config: VanillaTransformerConfig, stack: Stack) -> float:
@@ -159,13 +220,14 @@ class VanillaTransformerEncoderLayer(GradientCheckpointingLayer):
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        padding_mask: torch.Tensor | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> torch.Tensor:
         def self_attention(x):
             return self.self_attn(x, attention_mask, position_embeddings=position_embeddings, **kwargs)[0]
 
         hidden_states = self.self_attn_connection(hidden_states, self_attention)
-        return self.mlp_connection(hidden_states, self.mlp)
+        return self.mlp_connection(hidden_states, feed_forward_sublayer(self.mlp, padding_mask))
 
 
 class VanillaTransformerDecoderLayer(GradientCheckpointingLayer):
@@ -191,6 +253,7 @@ class VanillaTransformerDecoderLayer(GradientCheckpointingLayer):
         encoder_attention_mask: torch.Tensor | None = None,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         past_key_values: Cache | None = None,
+        padding_mask: torch.Tensor | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> torch.Tensor:
         def self_attention(x):
@@ -210,7 +273,7 @@ class VanillaTransformerDecoderLayer(GradientCheckpointingLayer):
         hidden_states = self.self_attn_connection(hidden_states, self_attention)
         if encoder_hidden_states is not None:
             hidden_states = self.encoder_attn_connection(hidden_states, cross_attention)
-        return self.mlp_connection(hidden_states, self.mlp)
+        return self.mlp_connection(hidden_states, feed_forward_sublayer(self.mlp, padding_mask))
 
 
 class VanillaTransformerPreTrainedModel(PreTrainedModel):
@@ -238,6 +301,8 @@ class VanillaTransformerPreTrainedModel(PreTrainedModel):
                 init.xavier_normal_(module.weight, gain=deepnorm_gain)  # DeepNet (Wang et al. 2022), Figure 2
             if module.bias is not None:
                 init.zeros_(module.bias)
+        elif isinstance(module, VanillaTransformerExperts | VanillaTransformerRouter):
+            init_moe_weights(module, self.config)
         elif isinstance(module, nn.Embedding):
             # N(0, 1/d_model): after the sqrt(d_model) scaling of §3.4 token vectors have unit variance (fairseq).
             init.normal_(module.weight, std=self.config.d_model**-0.5)
@@ -269,6 +334,7 @@ class VanillaTransformerEncoder(VanillaTransformerPreTrainedModel):
     _can_record_outputs = {
         "hidden_states": VanillaTransformerEncoderLayer,
         "attentions": VanillaTransformerAttention,
+        "router_logits": OutputRecorder(VanillaTransformerRouter, index=0),
     }
 
     def __init__(self, config: VanillaTransformerConfig):
@@ -291,7 +357,7 @@ class VanillaTransformerEncoder(VanillaTransformerPreTrainedModel):
         inputs_embeds: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
         **kwargs: Unpack[TransformersKwargs],
-    ) -> BaseModelOutput:
+    ) -> MoeEncoderOutput:
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids or inputs_embeds to the encoder.")
         if inputs_embeds is None:
@@ -302,14 +368,15 @@ class VanillaTransformerEncoder(VanillaTransformerPreTrainedModel):
         hidden_states, rotary = self.embed_positions(inputs_embeds, position_ids)
         hidden_states = self.dropout(hidden_states)
 
+        padding_mask = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
         attention_mask = create_bidirectional_mask(
             config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask
         )
         for layer in self.layers:
-            hidden_states = layer(hidden_states, attention_mask, rotary, **kwargs)
+            hidden_states = layer(hidden_states, attention_mask, rotary, padding_mask=padding_mask, **kwargs)
         if self.layer_norm is not None:
             hidden_states = self.layer_norm(hidden_states)
-        return BaseModelOutput(last_hidden_state=hidden_states)
+        return MoeEncoderOutput(last_hidden_state=hidden_states)
 
 
 class VanillaTransformerDecoder(VanillaTransformerPreTrainedModel):
@@ -319,6 +386,7 @@ class VanillaTransformerDecoder(VanillaTransformerPreTrainedModel):
         "hidden_states": VanillaTransformerDecoderLayer,
         "attentions": OutputRecorder(VanillaTransformerAttention, index=1, layer_name="self_attn"),
         "cross_attentions": OutputRecorder(VanillaTransformerAttention, index=1, layer_name="encoder_attn"),
+        "router_logits": OutputRecorder(VanillaTransformerRouter, index=0),
     }
 
     def __init__(self, config: VanillaTransformerConfig):
@@ -345,7 +413,7 @@ class VanillaTransformerDecoder(VanillaTransformerPreTrainedModel):
         position_ids: torch.LongTensor | None = None,
         use_cache: bool | None = None,
         **kwargs: Unpack[TransformersKwargs],
-    ) -> BaseModelOutputWithPastAndCrossAttentions:
+    ) -> MoeDecoderOutput:
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of decoder_input_ids or decoder_inputs_embeds to the decoder.")
         if inputs_embeds is None:
@@ -366,6 +434,9 @@ class VanillaTransformerDecoder(VanillaTransformerPreTrainedModel):
         hidden_states, rotary = self.embed_positions(inputs_embeds, position_ids)
         hidden_states = self.dropout(hidden_states)
 
+        # MoE capacity counts real tokens only: the mask columns of this step's tokens (the mask also covers the cache)
+        has_padding_mask = attention_mask is not None and attention_mask.dim() == 2
+        padding_mask = attention_mask[:, past_length:] if has_padding_mask else None
         self_attention_cache = (
             past_key_values.self_attention_cache
             if isinstance(past_key_values, EncoderDecoderCache)
@@ -392,13 +463,12 @@ class VanillaTransformerDecoder(VanillaTransformerPreTrainedModel):
                 encoder_attention_mask=encoder_attention_mask,
                 position_embeddings=rotary,
                 past_key_values=past_key_values,
+                padding_mask=padding_mask,
                 **kwargs,
             )
         if self.layer_norm is not None:
             hidden_states = self.layer_norm(hidden_states)
-        return BaseModelOutputWithPastAndCrossAttentions(
-            last_hidden_state=hidden_states, past_key_values=past_key_values
-        )
+        return MoeDecoderOutput(last_hidden_state=hidden_states, past_key_values=past_key_values)
 
 
 SEQ2SEQ_AUTO_MAP = {
@@ -456,7 +526,7 @@ class VanillaTransformerModel(VanillaTransformerPreTrainedModel):
         decoder_inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
         **kwargs: Unpack[TransformersKwargs],
-    ) -> Seq2SeqModelOutput:
+    ) -> Seq2SeqModelOutput | Seq2SeqMoEModelOutput:
         if encoder_outputs is None:
             encoder_outputs = self.encoder(
                 input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds, **kwargs
@@ -473,7 +543,7 @@ class VanillaTransformerModel(VanillaTransformerPreTrainedModel):
             use_cache=use_cache,
             **kwargs,
         )
-        return Seq2SeqModelOutput(
+        outputs = dict(
             last_hidden_state=decoder_outputs.last_hidden_state,
             past_key_values=decoder_outputs.past_key_values,
             decoder_hidden_states=decoder_outputs.hidden_states,
@@ -483,6 +553,13 @@ class VanillaTransformerModel(VanillaTransformerPreTrainedModel):
             encoder_hidden_states=encoder_outputs.hidden_states,
             encoder_attentions=encoder_outputs.attentions,
         )
+        if self.config.num_experts == 0:
+            return Seq2SeqModelOutput(**outputs)
+        return Seq2SeqMoEModelOutput(
+            **outputs,
+            encoder_router_logits=getattr(encoder_outputs, "router_logits", None),
+            decoder_router_logits=decoder_outputs.router_logits,
+        )
 
 
 __all__ = [
@@ -490,4 +567,5 @@ __all__ = [
     "VanillaTransformerEncoder",
     "VanillaTransformerDecoder",
     "VanillaTransformerModel",
+    "VanillaTransformerExperts",
 ]

@@ -1,0 +1,311 @@
+"""Mixture of Experts: the FFN of §3.3 replaced by E expert FFNs, each token sent to its top-k (Shazeer et al. 2017).
+
+    router      p = softmax(x W_r)  in fp32; the top-k experts of each token, weights optionally renormalised
+    block       y = sum_{e in top-k} p_e FFN_e(x)  (+ shared experts applied to every token, DeepSeekMoE)
+    capacity    with factor c, expert e serves at most ceil(c * tokens * k / E) tokens (GShard, Switch Transformer);
+                the rest skip it, so a token with no expert left keeps only its residual
+    losses      balancing  E * sum_e f_e P_e per layer  (Switch Transformer eq. 4-6, mask-aware, Mixtral's function)
+                z-loss     mean_tokens (logsumexp x)^2   (ST-MoE eq. 5)
+
+The expert weights themselves (`VanillaTransformerExperts`, 3D tensors in Mixtral's layout) live in the modeling file,
+where transformers looks for `@use_experts_implementation`; everything else is here.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import initialization as init
+from transformers.modeling_outputs import (
+    BaseModelOutput,
+    BaseModelOutputWithPastAndCrossAttentions,
+    MoeCausalLMOutputWithPast,
+)
+from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+from .configuration_vanilla_transformer import VanillaTransformerConfig
+from .norms_vanilla_transformer import deepnorm_constants
+
+
+class VanillaTransformerRouter(nn.Module):
+    """The gate: a linear map to one logit per expert, softmax, top-k. Always computed in fp32, because a bf16
+    softmax over near-equal logits flips top-k choices and the router is tiny (Switch Transformer §2.4)."""
+
+    def __init__(self, config: VanillaTransformerConfig):
+        super().__init__()
+        self.top_k = config.num_experts_per_tok
+        self.norm_topk_prob = config.norm_topk_prob
+        self.jitter_noise = config.router_jitter_noise
+        self.weight = nn.Parameter(torch.empty(config.num_experts, config.d_model))
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """hidden_states (T, H) -> router logits (T, E) fp32, top-k weights (T, k) fp32, top-k expert ids (T, k)."""
+        hidden_states = hidden_states.float()
+        if self.training and self.jitter_noise > 0:
+            # Multiplicative jitter on the router input only (Switch Transformer §2.4): explores routings in
+            # training while the experts still see the clean hidden states.
+            noise = torch.empty_like(hidden_states).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
+            hidden_states = hidden_states * noise
+        router_logits = F.linear(hidden_states, self.weight.float())
+        top_k_weights, top_k_index = torch.topk(router_logits.softmax(dim=-1), self.top_k, dim=-1)
+        if self.norm_topk_prob:  # Mixtral: the k chosen weights sum to one
+            top_k_weights = top_k_weights / top_k_weights.sum(dim=-1, keepdim=True)
+        return router_logits, top_k_weights, top_k_index
+
+
+def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
+    """Tokens one expert may serve: ceil(c * tokens * k / E) (Switch Transformer eq. 3, times k for top-k)."""
+    return math.ceil(capacity_factor * num_tokens * top_k / num_experts)
+
+
+def within_capacity(
+    top_k_index: torch.Tensor, num_experts: int, capacity: int, token_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Which (token, choice) assignments an expert still has room for: (T, k) bool.
+
+    Assignments are served first choices first, then second choices, each in token order (GShard §2.2), so a token
+    loses its k-th expert before any other token loses its first. Padding (`token_mask` False) takes no room.
+    """
+    top_k = top_k_index.shape[1]
+    by_rank = top_k_index.t().reshape(-1)  # (k*T,): every first choice, then every second choice, ...
+    one_hot = F.one_hot(by_rank, num_experts)
+    if token_mask is not None:
+        one_hot = one_hot * token_mask.repeat(top_k).unsqueeze(-1)
+    position_in_expert = (one_hot.cumsum(dim=0) * one_hot).sum(dim=-1)  # 1-based; 0 for padding
+    keep = (position_in_expert >= 1) & (position_in_expert <= capacity)
+    return keep.view(top_k, -1).t()
+
+
+class VanillaTransformerSparseMoeBlock(nn.Module):
+    """The FFN sub-layer as a Mixture of Experts: `gate` (router), `experts`, and optional `shared_experts`.
+
+    Parameter names follow Mixtral (`mlp.gate.weight`, `mlp.experts.gate_up_proj`, `mlp.experts.down_proj`).
+    With `expert_capacity_factor` set, `dropped_tokens` holds the number of (token, expert) assignments the last
+    forward dropped for lack of room.
+    """
+
+    def __init__(self, config: VanillaTransformerConfig, stack: str, ffn_dim: int, experts_class: type[nn.Module]):
+        super().__init__()
+        self.num_experts = config.num_experts
+        self.top_k = config.num_experts_per_tok
+        self.capacity_factor = config.expert_capacity_factor
+        self.gate = VanillaTransformerRouter(config)
+        self.experts = experts_class(config, config.num_experts, ffn_dim)
+        # Shared experts (Dai et al. 2024, DeepSeekMoE): experts every token is sent to with weight 1.
+        self.shared_experts = (
+            experts_class(config, config.num_shared_experts, ffn_dim) if config.num_shared_experts else None
+        )
+        self.dropped_tokens = None
+        if config.norm_position == "deepnorm":  # DeepNet init gain beta for the FFN weights, as for dense layers
+            for experts in (self.experts, self.shared_experts):
+                if experts is not None:
+                    experts.deepnorm_gain = deepnorm_constants(config, stack)[1]
+
+    def forward(self, hidden_states: torch.Tensor, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden_states (B, S, H), padding_mask (B, S) with 0 on padding -> (B, S, H)."""
+        flat = hidden_states.reshape(-1, hidden_states.shape[-1])
+        _, top_k_weights, top_k_index = self.gate(flat)
+        if self.capacity_factor is None:
+            output = self.experts(flat, top_k_index, top_k_weights)
+        else:
+            token_mask = padding_mask.reshape(-1).bool() if padding_mask is not None else None
+            output = self._experts_within_capacity(flat, top_k_index, top_k_weights, token_mask)
+        if self.shared_experts is not None:
+            everyone = torch.arange(self.shared_experts.num_experts, device=flat.device).expand(flat.shape[0], -1)
+            output = output + self.shared_experts(flat, everyone, torch.ones(everyone.shape, device=flat.device))
+        return output.view_as(hidden_states)
+
+    def _experts_within_capacity(
+        self,
+        flat: torch.Tensor,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+        token_mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Run only the kept assignments, one row each, and sum them back per token; dropped ones contribute 0."""
+        num_tokens = flat.shape[0] if token_mask is None else int(token_mask.sum())
+        capacity = expert_capacity(num_tokens, self.top_k, self.num_experts, self.capacity_factor)
+        keep = within_capacity(top_k_index, self.num_experts, capacity, token_mask)
+        self.dropped_tokens = num_tokens * self.top_k - int(keep.sum())
+        token, choice = keep.nonzero(as_tuple=True)
+        kept = self.experts(flat[token], top_k_index[token, choice, None], top_k_weights[token, choice, None])
+        return torch.zeros_like(flat).index_add_(0, token, kept)
+
+
+def feed_forward_sublayer(mlp: nn.Module, padding_mask: torch.Tensor | None):
+    """The layer's FFN as a function of the hidden states; a MoE block also needs the padding mask (capacity)."""
+    if isinstance(mlp, VanillaTransformerSparseMoeBlock):
+        return lambda hidden_states: mlp(hidden_states, padding_mask)
+    return mlp
+
+
+@torch.no_grad()
+def init_moe_weights(module: nn.Module, config: VanillaTransformerConfig) -> None:
+    """Router: N(0, initializer_range) as Mixtral (small logits, near-uniform routing at the start). Experts: each
+    (fan_out, fan_in) matrix Xavier-uniform like the dense FFN (Xavier-normal with gain beta under DeepNorm);
+    biases zero."""
+    if isinstance(module, VanillaTransformerRouter):
+        init.normal_(module.weight, std=config.initializer_range)
+        return
+    fan_sum = module.down_proj.shape[1] + module.down_proj.shape[2]  # d_model + expert hidden size
+    gain = getattr(module, "deepnorm_gain", None)
+    for name, parameter in module.named_parameters(recurse=False):
+        if name.endswith("_bias"):
+            init.zeros_(parameter)
+        elif gain is None:
+            bound = math.sqrt(6.0 / fan_sum)
+            init.uniform_(parameter, -bound, bound)
+        else:
+            init.normal_(parameter, std=gain * math.sqrt(2.0 / fan_sum))
+
+
+def dropped_token_counts(model: nn.Module) -> dict[str, int]:
+    """Module name -> assignments dropped for lack of capacity in the last forward, for every MoE block."""
+    return {
+        name: module.dropped_tokens
+        for name, module in model.named_modules()
+        if isinstance(module, VanillaTransformerSparseMoeBlock) and module.dropped_tokens is not None
+    }
+
+
+# ---------------------------------------------------------------------------------------------------- losses
+
+
+def _rows_mask(padding_mask: torch.Tensor | None, layer_logits: torch.Tensor) -> torch.Tensor | None:
+    """The (B, S) token mask of the rows a layer routed; a decoder mask that also covers cached positions is cut to
+    its last S columns (the tokens of this step)."""
+    if padding_mask is None or padding_mask.dim() != 2:
+        return None
+    length = layer_logits.shape[0] // padding_mask.shape[0]
+    return padding_mask[:, padding_mask.shape[1] - length :]
+
+
+def load_balancing_loss(
+    router_logits: tuple[torch.Tensor, ...] | None, config: VanillaTransformerConfig, padding_mask=None
+) -> torch.Tensor:
+    """Switch Transformer's auxiliary loss E * sum_e f_e P_e, averaged over one stack's MoE layers, padding excluded.
+
+    f_e is the fraction of a layer's top-k assignments sent to expert e and P_e its mean router probability
+    (transformers' Mixtral `load_balancing_loss_func`, one layer at a time: given all layers at once it pools f and P
+    over them, which a stack with each layer collapsed onto different experts would satisfy). Perfectly balanced
+    routing gives k, its minimum; sending everything to k experts gives E.
+    """
+    if not router_logits:
+        return torch.zeros(())
+    mask = _rows_mask(padding_mask, router_logits[0])
+    top_k, num_experts = config.num_experts_per_tok, config.num_experts
+    per_layer = [load_balancing_loss_func((layer,), num_experts, top_k, mask) for layer in router_logits]
+    return torch.stack(per_layer).mean()
+
+
+def router_z_loss(router_logits: tuple[torch.Tensor, ...] | None, padding_mask=None) -> torch.Tensor:
+    """ST-MoE's z-loss (Zoph et al. 2022, eq. 5): mean over tokens and layers of logsumexp(logits)^2, padding
+    excluded. It keeps router logits small, where the fp32 softmax stays accurate."""
+    if not router_logits:
+        return torch.zeros(())
+    squared = torch.cat([layer.logsumexp(dim=-1) ** 2 for layer in router_logits])
+    mask = _rows_mask(padding_mask, router_logits[0])
+    if mask is None:
+        return squared.mean()
+    weights = mask.reshape(-1).to(squared).repeat(len(router_logits))
+    return (squared * weights).sum() / weights.sum().clamp(min=1.0)
+
+
+class _RouterLossGradient(torch.autograd.Function):
+    """Identity on the logits whose backward also starts the router loss's backward, with gradient 1 (the trick of
+    Megatron-LM's MoEAuxLossAutoScaler)."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, router_loss: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(router_loss)
+        return logits.view_as(logits)
+
+    @staticmethod
+    def backward(ctx, grad_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        (router_loss,) = ctx.saved_tensors
+        return grad_logits, torch.ones_like(router_loss)
+
+
+def attach_router_loss(logits: torch.Tensor, router_loss: torch.Tensor) -> torch.Tensor:
+    """The logits, carrying `router_loss` into any gradient taken through them.
+
+    Why not just `loss = cross_entropy + router_loss`: the Trainer with label smoothing (or a `compute_loss_func`)
+    pops `labels`, calls the model without them and builds its own loss from `outputs.logits`; a router loss added to
+    the model's loss would silently vanish (NLLB-MoE, Mixtral). Attached here, it reaches the router whatever loss
+    is built from the logits. The heads therefore add it to their reported `loss` only as a detached value, and a
+    user must NOT add `outputs.*_aux_loss` to their loss again (it would count twice).
+    Not rescaled by fp16 loss scaling (GradScaler); bf16 and fp32 training are unaffected.
+    """
+    if not (torch.is_grad_enabled() and router_loss.requires_grad):
+        return logits
+    return _RouterLossGradient.apply(logits, router_loss.to(logits.device))
+
+
+def wants_router_losses(config: VanillaTransformerConfig, labels, output_router_logits) -> bool:
+    """Router losses are computed whenever a gradient may be taken, a loss is asked for or the logits are."""
+    return config.num_experts > 0 and (torch.is_grad_enabled() or labels is not None or bool(output_router_logits))
+
+
+@dataclass
+class RouterLosses:
+    """Balancing (`aux`) and z-losses per stack, and `total` = aux_coef * sum(aux) + z_coef * sum(z), the term that
+    joins the language-model loss."""
+
+    aux: dict[str, torch.Tensor]
+    z: dict[str, torch.Tensor]
+    total: torch.Tensor
+
+    @classmethod
+    def of_stacks(cls, config: VanillaTransformerConfig, **stacks: tuple) -> "RouterLosses":
+        """`stacks`: name -> (router logits of its MoE layers, its (batch, length) padding mask or None)."""
+        aux = {name: load_balancing_loss(logits, config, mask) for name, (logits, mask) in stacks.items()}
+        z = {name: router_z_loss(logits, mask) for name, (logits, mask) in stacks.items()}
+        total = config.router_aux_loss_coef * sum(aux.values()) + config.router_z_loss_coef * sum(z.values())
+        return cls(aux, z, total)
+
+    def output_fields(self, pattern: str) -> dict[str, torch.Tensor]:
+        """The losses under output field names, e.g. pattern "{stack}_{kind}_loss" -> encoder_aux_loss, ..."""
+        named = {"aux": self.aux, "z": self.z}
+        return {pattern.format(stack=s, kind=k): v for k, losses in named.items() for s, v in losses.items()}
+
+
+# ---------------------------------------------------------------------------------------------------- outputs
+
+
+@dataclass
+class MoeEncoderOutput(BaseModelOutput):
+    """`BaseModelOutput` plus the router logits of the stack's MoE layers, each (batch * length, num_experts)."""
+
+    router_logits: tuple[torch.Tensor, ...] | None = None
+
+
+@dataclass
+class MoeDecoderOutput(BaseModelOutputWithPastAndCrossAttentions):
+    """`BaseModelOutputWithPastAndCrossAttentions` plus the router logits of the stack's MoE layers."""
+
+    router_logits: tuple[torch.Tensor, ...] | None = None
+
+
+@dataclass
+class MoeCausalLMOutput(MoeCausalLMOutputWithPast):
+    """Mixtral's `MoeCausalLMOutputWithPast` plus the router z-loss (ST-MoE) next to the balancing `aux_loss`."""
+
+    z_loss: torch.Tensor | None = None
+
+
+__all__ = [
+    "VanillaTransformerRouter",
+    "VanillaTransformerSparseMoeBlock",
+    "MoeEncoderOutput",
+    "MoeDecoderOutput",
+    "MoeCausalLMOutput",
+    "RouterLosses",
+    "attach_router_loss",
+    "dropped_token_counts",
+    "expert_capacity",
+    "load_balancing_loss",
+    "router_z_loss",
+    "within_capacity",
+]

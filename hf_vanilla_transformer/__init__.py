@@ -14,6 +14,7 @@ from transformers import (
 from .configuration_vanilla_transformer import VanillaTransformerConfig
 from .convert_llama_vanilla_transformer import convert_llama_to_vanilla_transformer
 from .convert_marian_vanilla_transformer import convert_marian_to_vanilla_transformer
+from .convert_mixtral_vanilla_transformer import convert_mixtral_to_vanilla_transformer
 from .heads_vanilla_transformer import (
     VanillaTransformerForCausalLM,
     VanillaTransformerForConditionalGeneration,
@@ -47,4 +48,5 @@ __all__ = [
     "write_model_card",
     "push_repository",
     "convert_marian_to_vanilla_transformer",
+    "convert_mixtral_to_vanilla_transformer",
 ]

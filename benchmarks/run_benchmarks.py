@@ -176,7 +176,9 @@ def run(settings: Settings, sections: set[str]) -> dict:
         "repeats": settings.repeats,
     }
     matmul_size = 2048 if settings.quick else 4096
-    results["peak_matmul_flops"] = matmul_peak_flops(matmul_size, settings.dtype, settings.device, settings.repeats)
+    results["peak_matmul_flops"] = matmul_peak_flops(
+        matmul_size, settings.dtype, settings.device, settings.repeats, settings.clock
+    )
     sizes = ["small"] if settings.quick else list(SIZES)
     if "train" in sections:
         shapes = {"small": (16, 32), "transformer-base": (8, 32)}
@@ -185,7 +187,7 @@ def run(settings: Settings, sections: set[str]) -> dict:
         ]
         # The matmul peak again after training: the higher of the two is the MFU denominator (a shared machine only
         # ever makes it look lower).
-        peak_again = matmul_peak_flops(matmul_size, settings.dtype, settings.device, settings.repeats)
+        peak_again = matmul_peak_flops(matmul_size, settings.dtype, settings.device, settings.repeats, settings.clock)
         if peak_again > results["peak_matmul_flops"]:
             for row in results["training"]:
                 row["ours_mfu"] *= results["peak_matmul_flops"] / peak_again

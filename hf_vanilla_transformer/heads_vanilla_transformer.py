@@ -24,7 +24,7 @@ from .modeling_vanilla_transformer import (
     VanillaTransformerModel,
     VanillaTransformerPreTrainedModel,
 )
-from .moe_vanilla_transformer import MoeCausalLMOutput, RouterLosses, attach_router_loss, wants_router_losses
+from .moe_vanilla_transformer import MoeCausalLMOutput, RouterLosses, attach_router_loss, request_router_logits
 
 
 def lm_logits(lm_head: nn.Linear, hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
@@ -90,10 +90,7 @@ class VanillaTransformerForConditionalGeneration(VanillaTransformerPreTrainedMod
         """
         if labels is not None and decoder_input_ids is None and decoder_inputs_embeds is None:
             decoder_input_ids = self.prepare_decoder_input_ids_from_labels(labels)
-        return_router_logits = kwargs.pop("output_router_logits", self.config.output_router_logits)
-        with_router_losses = wants_router_losses(self.config, labels, return_router_logits)
-        if with_router_losses or return_router_logits:
-            kwargs["output_router_logits"] = True
+        with_router_losses, return_router_logits = request_router_logits(self.config, labels, kwargs)
         outputs = self.model(
             input_ids,
             attention_mask=attention_mask,
@@ -184,10 +181,7 @@ class VanillaTransformerForCausalLM(VanillaTransformerPreTrainedModel, Generatio
         With experts the output is a `MoeCausalLMOutput` (Mixtral's, plus `z_loss`); the weighted router losses are
         already in the gradient of any loss built from `logits` (see `attach_router_loss`).
         """
-        return_router_logits = kwargs.pop("output_router_logits", self.config.output_router_logits)
-        with_router_losses = wants_router_losses(self.config, labels, return_router_logits)
-        if with_router_losses or return_router_logits:
-            kwargs["output_router_logits"] = True
+        with_router_losses, return_router_logits = request_router_logits(self.config, labels, kwargs)
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -257,11 +251,18 @@ class VanillaTransformerForSequenceClassification(VanillaTransformerPreTrainedMo
         labels: torch.LongTensor | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> SequenceClassifierOutput:
+        with_router_losses, _ = request_router_logits(self.config, labels, kwargs)
         outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds, **kwargs)
         logits = self.classifier(self.dropout(self.pool(outputs.last_hidden_state, attention_mask)))
+        router = None
+        if with_router_losses:  # MoE encoder: balancing and z losses join the gradient through the logits
+            router = RouterLosses.of_stacks(self.config, encoder=(outputs.router_logits, attention_mask))
+            logits = attach_router_loss(logits, router.total)
         loss = None
         if labels is not None:
             loss = self.loss_function(labels=labels, pooled_logits=logits, config=self.config, **kwargs)
+            if router is not None:  # reported value only: the gradient flows through the logits
+                loss = loss + router.total.detach()
         return SequenceClassifierOutput(
             loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
         )

@@ -243,9 +243,15 @@ def attach_router_loss(logits: torch.Tensor, router_loss: torch.Tensor) -> torch
     return _RouterLossGradient.apply(logits, router_loss.to(logits.device))
 
 
-def wants_router_losses(config: VanillaTransformerConfig, labels, output_router_logits) -> bool:
-    """Router losses are computed whenever a gradient may be taken, a loss is asked for or the logits are."""
-    return config.num_experts > 0 and (torch.is_grad_enabled() or labels is not None or bool(output_router_logits))
+def request_router_logits(config: VanillaTransformerConfig, labels, kwargs: dict) -> tuple[bool, bool]:
+    """For one head forward: (compute the router losses, return the router logits). The losses are computed whenever
+    a gradient may be taken, a loss is asked for, or the router logits are; the stacks are then told, through
+    `kwargs`, to record the logits."""
+    return_router_logits = bool(kwargs.pop("output_router_logits", config.output_router_logits))
+    with_losses = config.num_experts > 0 and (torch.is_grad_enabled() or labels is not None or return_router_logits)
+    if with_losses or return_router_logits:
+        kwargs["output_router_logits"] = True
+    return with_losses, return_router_logits
 
 
 @dataclass
@@ -306,6 +312,7 @@ __all__ = [
     "dropped_token_counts",
     "expert_capacity",
     "load_balancing_loss",
+    "request_router_logits",
     "router_z_loss",
     "within_capacity",
 ]

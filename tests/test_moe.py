@@ -15,7 +15,11 @@ import torch.nn.functional as F
 from conftest import padded_batch, tiny_config
 from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments, TrainerCallback
 
-from hf_vanilla_transformer import VanillaTransformerForCausalLM, VanillaTransformerForConditionalGeneration
+from hf_vanilla_transformer import (
+    VanillaTransformerForCausalLM,
+    VanillaTransformerForConditionalGeneration,
+    VanillaTransformerForSequenceClassification,
+)
 from hf_vanilla_transformer.feed_forward_vanilla_transformer import ffn_activation
 from hf_vanilla_transformer.modeling_vanilla_transformer import VanillaTransformerExperts
 from hf_vanilla_transformer.moe_vanilla_transformer import (
@@ -338,6 +342,27 @@ def test_causal_lm_with_experts_returns_aux_and_z_loss():
     torch.testing.assert_close(out.z_loss, router_z_loss(out.router_logits, attention_mask))
     out.loss.backward()
     assert model.model.layers[0].mlp.gate.weight.grad.abs().sum() > 0
+
+
+def test_classifier_with_experts_gets_router_losses_in_its_gradient():
+    torch.manual_seed(0)
+    config = moe_config(num_experts_per_tok=1, norm_topk_prob=True, num_labels=3)  # top-1 weight p/p = 1
+    model = VanillaTransformerForSequenceClassification(config).eval()
+    input_ids, attention_mask = padded_batch()
+    labels = torch.tensor([0, 2, 1])
+    out = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+    F.cross_entropy(out.logits, labels).backward()  # a loss of the user's own, from the logits only
+    grads = [layer.mlp.gate.weight.grad for layer in model.model.layers]
+    model.zero_grad()
+    encoder = model.model(input_ids=input_ids, attention_mask=attention_mask, output_router_logits=True)
+    aux = load_balancing_loss(encoder.router_logits, config, attention_mask)
+    z = router_z_loss(encoder.router_logits, attention_mask)
+    router_loss = config.router_aux_loss_coef * aux + config.router_z_loss_coef * z
+    router_loss.backward()
+    for grad, layer in zip(grads, model.model.layers):  # the router's whole gradient is the router loss's
+        assert layer.mlp.gate.weight.grad.abs().max() > 1e-5
+        torch.testing.assert_close(grad, layer.mlp.gate.weight.grad, rtol=1e-4, atol=1e-7)
+    torch.testing.assert_close(out.loss, F.cross_entropy(out.logits, labels) + router_loss.detach())
 
 
 # ------------------------------------------------------------------------------------- gradient under the Trainer

@@ -468,7 +468,9 @@ def test_moe_seq2seq_learns_a_toy_task_and_stays_balanced():
 
 def test_ddp_two_processes_without_unused_parameter_errors():
     script = Path(__file__).with_name("ddp_moe_script.py")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # A clean launch: no distributed settings inherited from the caller (a parent torchrun or accelerate launch).
+    inherited = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(inherited)} | {"OMP_NUM_THREADS": "1"}
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)],
         capture_output=True,

@@ -22,7 +22,9 @@ def translate(model, tokenizer, sources: list[str], batch_size: int = 32, num_be
                 **batch,
                 num_beams=num_beams,
                 length_penalty_type="gnmt",
-                max_new_tokens=batch["input_ids"].shape[1] + 50,  # §6.1: input length + 50
+                # §6.1: at most input length + 50 output tokens (+1 for the decoder start token); max_length rather
+                # than max_new_tokens so that it replaces the saved generation config's bound instead of clashing.
+                max_length=1 + batch["input_ids"].shape[1] + 50,
             )
         outputs += [text.strip() for text in tokenizer.batch_decode(generated, skip_special_tokens=True)]
     return outputs

@@ -24,7 +24,12 @@ from .modeling_vanilla_transformer import (
     VanillaTransformerModel,
     VanillaTransformerPreTrainedModel,
 )
-from .moe_vanilla_transformer import MoeCausalLMOutput, RouterLosses, attach_router_loss, request_router_logits
+from .moe_vanilla_transformer import (
+    MoeCausalLMOutput,
+    add_reported_router_loss,
+    request_router_logits,
+    route_router_loss_through_logits,
+)
 
 
 def lm_logits(lm_head: nn.Linear, hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
@@ -104,21 +109,19 @@ class VanillaTransformerForConditionalGeneration(VanillaTransformerPreTrainedMod
             **kwargs,
         )
         logits = lm_logits(self.lm_head, outputs.last_hidden_state, logits_to_keep)
-        router = None
+        router_stacks = None
         if with_router_losses:
-            router = RouterLosses.of_stacks(
-                self.config,
+            router_stacks = dict(
                 encoder=(outputs.encoder_router_logits, attention_mask),
                 decoder=(outputs.decoder_router_logits, decoder_attention_mask),
             )
-            logits = attach_router_loss(logits, router.total)
+        logits, router = route_router_loss_through_logits(self.config, logits, router_stacks)
         loss = None
         if labels is not None:
             # Summed over tokens and divided by num_items_in_batch when the Trainer passes it: exact under
             # gradient accumulation, unlike a per-batch mean.
             loss = self.loss_function(logits, labels, vocab_size=self.config.vocab_size, **kwargs)
-            if router is not None:  # reported value only: the gradient flows through the logits
-                loss = loss + router.total.detach()
+        loss = add_reported_router_loss(loss, router)
         fields = dict(
             loss=loss,
             logits=logits,
@@ -192,15 +195,12 @@ class VanillaTransformerForCausalLM(VanillaTransformerPreTrainedModel, Generatio
             **kwargs,
         )
         logits = lm_logits(self.lm_head, outputs.last_hidden_state, logits_to_keep)
-        router = None
-        if with_router_losses:
-            router = RouterLosses.of_stacks(self.config, decoder=(outputs.router_logits, attention_mask))
-            logits = attach_router_loss(logits, router.total)
+        router_stacks = dict(decoder=(outputs.router_logits, attention_mask)) if with_router_losses else None
+        logits, router = route_router_loss_through_logits(self.config, logits, router_stacks)
         loss = None
         if labels is not None:
             loss = self.loss_function(logits, labels, vocab_size=self.config.vocab_size, **kwargs)
-            if router is not None:  # reported value only: the gradient flows through the logits
-                loss = loss + router.total.detach()
+        loss = add_reported_router_loss(loss, router)
         fields = dict(
             loss=loss,
             logits=logits,
@@ -254,15 +254,12 @@ class VanillaTransformerForSequenceClassification(VanillaTransformerPreTrainedMo
         with_router_losses, _ = request_router_logits(self.config, labels, kwargs)
         outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds, **kwargs)
         logits = self.classifier(self.dropout(self.pool(outputs.last_hidden_state, attention_mask)))
-        router = None
-        if with_router_losses:  # MoE encoder: balancing and z losses join the gradient through the logits
-            router = RouterLosses.of_stacks(self.config, encoder=(outputs.router_logits, attention_mask))
-            logits = attach_router_loss(logits, router.total)
+        router_stacks = dict(encoder=(outputs.router_logits, attention_mask)) if with_router_losses else None
+        logits, router = route_router_loss_through_logits(self.config, logits, router_stacks)
         loss = None
         if labels is not None:
             loss = self.loss_function(labels=labels, pooled_logits=logits, config=self.config, **kwargs)
-            if router is not None:  # reported value only: the gradient flows through the logits
-                loss = loss + router.total.detach()
+        loss = add_reported_router_loss(loss, router)
         return SequenceClassifierOutput(
             loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
         )

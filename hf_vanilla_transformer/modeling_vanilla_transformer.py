@@ -328,7 +328,41 @@ class VanillaTransformerPreTrainedModel(PreTrainedModel):
         return True
 
 
-class VanillaTransformerEncoder(VanillaTransformerPreTrainedModel):
+class VanillaTransformerStack(VanillaTransformerPreTrainedModel):
+    """What the encoder and decoder share (§3.1): scaled token embeddings, positions, dropout on their sum (§5.4), N
+    identical layers and, for the pre-norm placements, a final norm."""
+
+    def __init__(self, config: VanillaTransformerConfig, layer_class: type[nn.Module], num_layers: int, num_heads: int):
+        super().__init__(config)
+        self.embed_tokens = ScaledWordEmbedding(config)
+        self.embed_positions = POSITION_EMBEDDINGS[config.position_embedding_type](config, config.d_model // num_heads)
+        self.dropout = nn.Dropout(config.dropout)
+        self.layers = nn.ModuleList([layer_class(config, i) for i in range(num_layers)])
+        self.layer_norm = build_norm(config) if has_final_norm(config) else None
+        self.gradient_checkpointing = False
+
+    def embed(
+        self,
+        input_ids: torch.LongTensor | None,
+        inputs_embeds: torch.Tensor | None,
+        position_ids: torch.LongTensor | None,
+        past_length: int = 0,
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """(token embeddings, the layers' input, the RoPE table or None); positions continue after the cache."""
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError(f"Pass exactly one of input_ids or inputs_embeds to the {type(self).__name__}.")
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        if position_ids is None:
+            position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_length
+        hidden_states, rotary = self.embed_positions(inputs_embeds, position_ids)
+        return inputs_embeds, self.dropout(hidden_states), rotary
+
+    def final_norm(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return hidden_states if self.layer_norm is None else self.layer_norm(hidden_states)
+
+
+class VanillaTransformerEncoder(VanillaTransformerStack):
     """The encoder stack: N identical layers over the embedded source (§3.1)."""
 
     _can_record_outputs = {
@@ -338,14 +372,7 @@ class VanillaTransformerEncoder(VanillaTransformerPreTrainedModel):
     }
 
     def __init__(self, config: VanillaTransformerConfig):
-        super().__init__(config)
-        self.embed_tokens = ScaledWordEmbedding(config)
-        head_dim = config.d_model // config.encoder_attention_heads
-        self.embed_positions = POSITION_EMBEDDINGS[config.position_embedding_type](config, head_dim)
-        self.dropout = nn.Dropout(config.dropout)  # on the sums of embeddings and positions, §5.4
-        self.layers = nn.ModuleList([VanillaTransformerEncoderLayer(config, i) for i in range(config.encoder_layers)])
-        self.layer_norm = build_norm(config) if has_final_norm(config) else None
-        self.gradient_checkpointing = False
+        super().__init__(config, VanillaTransformerEncoderLayer, config.encoder_layers, config.encoder_attention_heads)
         self.post_init()
 
     @merge_with_config_defaults
@@ -358,15 +385,8 @@ class VanillaTransformerEncoder(VanillaTransformerPreTrainedModel):
         position_ids: torch.LongTensor | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> MoeEncoderOutput:
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("Pass exactly one of input_ids or inputs_embeds to the encoder.")
-        if inputs_embeds is None:
-            inputs_embeds = self.embed_tokens(input_ids)
+        inputs_embeds, hidden_states, rotary = self.embed(input_ids, inputs_embeds, position_ids)
         check_padding_mask(attention_mask, inputs_embeds.shape[:2], "attention_mask")
-        if position_ids is None:
-            position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device)
-        hidden_states, rotary = self.embed_positions(inputs_embeds, position_ids)
-        hidden_states = self.dropout(hidden_states)
 
         padding_mask = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
         attention_mask = create_bidirectional_mask(
@@ -374,12 +394,10 @@ class VanillaTransformerEncoder(VanillaTransformerPreTrainedModel):
         )
         for layer in self.layers:
             hidden_states = layer(hidden_states, attention_mask, rotary, padding_mask=padding_mask, **kwargs)
-        if self.layer_norm is not None:
-            hidden_states = self.layer_norm(hidden_states)
-        return MoeEncoderOutput(last_hidden_state=hidden_states)
+        return MoeEncoderOutput(last_hidden_state=self.final_norm(hidden_states))
 
 
-class VanillaTransformerDecoder(VanillaTransformerPreTrainedModel):
+class VanillaTransformerDecoder(VanillaTransformerStack):
     """The decoder stack (§3.1); without cross-attention when `config.is_encoder_decoder` is False (decoder-only)."""
 
     _can_record_outputs = {
@@ -390,14 +408,7 @@ class VanillaTransformerDecoder(VanillaTransformerPreTrainedModel):
     }
 
     def __init__(self, config: VanillaTransformerConfig):
-        super().__init__(config)
-        self.embed_tokens = ScaledWordEmbedding(config)
-        head_dim = config.d_model // config.decoder_attention_heads
-        self.embed_positions = POSITION_EMBEDDINGS[config.position_embedding_type](config, head_dim)
-        self.dropout = nn.Dropout(config.dropout)
-        self.layers = nn.ModuleList([VanillaTransformerDecoderLayer(config, i) for i in range(config.decoder_layers)])
-        self.layer_norm = build_norm(config) if has_final_norm(config) else None
-        self.gradient_checkpointing = False
+        super().__init__(config, VanillaTransformerDecoderLayer, config.decoder_layers, config.decoder_attention_heads)
         self.post_init()
 
     @merge_with_config_defaults
@@ -414,25 +425,18 @@ class VanillaTransformerDecoder(VanillaTransformerPreTrainedModel):
         use_cache: bool | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> MoeDecoderOutput:
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("Pass exactly one of decoder_input_ids or decoder_inputs_embeds to the decoder.")
-        if inputs_embeds is None:
-            inputs_embeds = self.embed_tokens(input_ids)
         if use_cache and past_key_values is None:
             past_key_values = (
                 EncoderDecoderCache(DynamicCache(config=self.config), DynamicCache(config=self.config))
                 if self.config.is_encoder_decoder
                 else DynamicCache(config=self.config)
             )
-        batch_size, length = inputs_embeds.shape[:2]
         past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
+        inputs_embeds, hidden_states, rotary = self.embed(input_ids, inputs_embeds, position_ids, past_length)
+        batch_size, length = inputs_embeds.shape[:2]
         check_padding_mask(attention_mask, (batch_size, past_length + length), "decoder_attention_mask")
         if encoder_hidden_states is not None:
             check_padding_mask(encoder_attention_mask, encoder_hidden_states.shape[:2], "attention_mask (source)")
-        if position_ids is None:
-            position_ids = torch.arange(length, device=inputs_embeds.device) + past_length
-        hidden_states, rotary = self.embed_positions(inputs_embeds, position_ids)
-        hidden_states = self.dropout(hidden_states)
 
         # MoE capacity counts real tokens only: the mask columns of this step's tokens (the mask also covers the cache)
         has_padding_mask = attention_mask is not None and attention_mask.dim() == 2
@@ -466,9 +470,7 @@ class VanillaTransformerDecoder(VanillaTransformerPreTrainedModel):
                 padding_mask=padding_mask,
                 **kwargs,
             )
-        if self.layer_norm is not None:
-            hidden_states = self.layer_norm(hidden_states)
-        return MoeDecoderOutput(last_hidden_state=hidden_states, past_key_values=past_key_values)
+        return MoeDecoderOutput(last_hidden_state=self.final_norm(hidden_states), past_key_values=past_key_values)
 
 
 SEQ2SEQ_AUTO_MAP = {

@@ -243,6 +243,25 @@ def attach_router_loss(logits: torch.Tensor, router_loss: torch.Tensor) -> torch
     return _RouterLossGradient.apply(logits, router_loss.to(logits.device))
 
 
+def route_router_loss_through_logits(
+    config: VanillaTransformerConfig, logits: torch.Tensor, stacks: dict[str, tuple] | None
+) -> tuple[torch.Tensor, "RouterLosses | None"]:
+    """For a head: the router losses of `stacks` (see `RouterLosses.of_stacks`; None = not wanted) and the logits
+    carrying them into the gradient (`attach_router_loss`)."""
+    if stacks is None:
+        return logits, None
+    router = RouterLosses.of_stacks(config, **stacks)
+    return attach_router_loss(logits, router.total), router
+
+
+def add_reported_router_loss(loss: torch.Tensor | None, router: "RouterLosses | None") -> torch.Tensor | None:
+    """The head's reported loss: the task loss plus the router losses as a detached value (their gradient already
+    flows through the logits)."""
+    if loss is None or router is None:
+        return loss
+    return loss + router.total.detach()
+
+
 def request_router_logits(config: VanillaTransformerConfig, labels, kwargs: dict) -> tuple[bool, bool]:
     """For one head forward: (compute the router losses, return the router logits). The losses are computed whenever
     a gradient may be taken, a loss is asked for, or the router logits are; the stacks are then told, through

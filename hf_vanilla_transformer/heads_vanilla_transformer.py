@@ -1,5 +1,7 @@
 """Task heads: the translation model (encoder-decoder LM), a decoder-only LM and an encoder-only classifier."""
 
+import copy
+
 import torch
 from torch import nn
 from transformers.cache_utils import Cache
@@ -144,8 +146,9 @@ class VanillaTransformerForConditionalGeneration(VanillaTransformerPreTrainedMod
 
 
 def single_stack_config(config: VanillaTransformerConfig) -> VanillaTransformerConfig:
-    """A copy of `config` for a decoder-only or encoder-only model: no cross-attention, and generate's causal path."""
-    config = config.__class__.from_dict(config.to_dict())
+    """A copy of `config` for a decoder-only or encoder-only model: no cross-attention, and generate's causal path.
+    A deep copy keeps the load-time settings (`attn_implementation`, dtype) that `to_dict` would drop."""
+    config = copy.deepcopy(config)
     config.is_encoder_decoder = False
     return config
 

@@ -9,7 +9,9 @@ from reference_copy import copy_into_torch_transformer, embed, torch_transformer
 from transformers import (
     AutoConfig,
     AutoModel,
+    AutoModelForCausalLM,
     AutoModelForSeq2SeqLM,
+    AutoModelForSequenceClassification,
     MarianConfig,
     MarianMTModel,
 )
@@ -321,6 +323,19 @@ def test_save_and_load_round_trip_keeps_weights_and_ties(tmp_path):
         model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=5),
         loaded.generate(input_ids, attention_mask=attention_mask, max_new_tokens=5),
     )
+
+
+@pytest.mark.parametrize(
+    "auto_class",
+    [AutoModelForSeq2SeqLM, AutoModelForCausalLM, AutoModelForSequenceClassification],
+    ids=lambda c: c.__name__,
+)
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+def test_attn_implementation_requested_at_load_reaches_every_attention(tmp_path, auto_class, implementation):
+    auto_class.from_config(tiny_config()).save_pretrained(tmp_path)
+    model = auto_class.from_pretrained(tmp_path, attn_implementation=implementation)
+    attentions = [m for m in model.modules() if type(m).__name__ == "VanillaTransformerAttention"]
+    assert attentions and {m.config._attn_implementation for m in attentions} == {implementation}
 
 
 def test_resize_token_embeddings_keeps_ties():

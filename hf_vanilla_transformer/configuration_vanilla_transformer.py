@@ -101,6 +101,7 @@ class VanillaTransformerConfig(PreTrainedConfig):
     sinusoidal_layout: SinusoidalLayout = "interleaved"  # paper §3.5 interleaves sin/cos; Marian concatenates
     rope_theta: float = 10000.0
     scale_embedding: bool = True  # multiply token embeddings by sqrt(d_model) (§3.4)
+    padding_free: bool = True  # layers skip padding tokens (packing_vanilla_transformer); same outputs, less work
     share_encoder_decoder_embeddings: bool = True  # one source/target embedding (§3.4)
     tie_word_embeddings: bool = True  # pre-softmax projection = target embedding (§3.4)
 

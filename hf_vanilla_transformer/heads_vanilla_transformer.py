@@ -32,12 +32,29 @@ from .moe_vanilla_transformer import (
     request_router_logits,
     route_router_loss_through_logits,
 )
+from .packing_vanilla_transformer import PackedTokens, positions_the_loss_needs
 
 
 def lm_logits(lm_head: nn.Linear, hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
     """The pre-softmax projection, on the last `logits_to_keep` positions only (0 = all) to spare the vocab matmul."""
     keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
     return lm_head(hidden_states[:, keep, :])
+
+
+def scored_positions(
+    model: VanillaTransformerPreTrainedModel, counted: torch.Tensor | None, logits_to_keep: int | torch.Tensor
+) -> PackedTokens | None:
+    """In training with `config.padding_free`, the positions whose logits the loss reads (`counted`): the only logits
+    a training step needs. The head returns theirs in place and 0 elsewhere (packing_vanilla_transformer)."""
+    if (
+        counted is None
+        or not model.training
+        or not model.config.padding_free
+        or model.config.num_experts > 0
+        or not (isinstance(logits_to_keep, int) and logits_to_keep == 0)
+    ):
+        return None
+    return PackedTokens.of(counted)
 
 
 class VanillaTransformerForConditionalGeneration(VanillaTransformerPreTrainedModel, VanillaTransformerGenerationMixin):
@@ -97,6 +114,9 @@ class VanillaTransformerForConditionalGeneration(VanillaTransformerPreTrainedMod
         """
         if labels is not None and decoder_input_ids is None and decoder_inputs_embeds is None:
             decoder_input_ids = self.prepare_decoder_input_ids_from_labels(labels)
+        counted = None if labels is None else labels != -100
+        scored = scored_positions(self, counted, logits_to_keep)
+        decoder_packing_mask = None if labels is None else positions_the_loss_needs(counted, decoder_attention_mask)
         with_router_losses, return_router_logits = request_router_logits(self.config, labels, kwargs)
         outputs = self.model(
             input_ids,
@@ -108,9 +128,14 @@ class VanillaTransformerForConditionalGeneration(VanillaTransformerPreTrainedMod
             inputs_embeds=inputs_embeds,
             decoder_inputs_embeds=decoder_inputs_embeds,
             use_cache=use_cache,
+            decoder_packing_mask=decoder_packing_mask,
             **kwargs,
         )
-        logits = lm_logits(self.lm_head, outputs.last_hidden_state, logits_to_keep)
+        if scored is not None:  # the vocabulary projection and the loss over counted labels only
+            logits = self.lm_head(scored.pack(outputs.last_hidden_state))
+            labels = scored.pack(labels)
+        else:
+            logits = lm_logits(self.lm_head, outputs.last_hidden_state, logits_to_keep)
         router_stacks = None
         if with_router_losses:
             router_stacks = dict(
@@ -126,7 +151,7 @@ class VanillaTransformerForConditionalGeneration(VanillaTransformerPreTrainedMod
         loss = add_reported_router_loss(loss, router)
         fields = dict(
             loss=loss,
-            logits=logits,
+            logits=logits if scored is None else scored.unpack(logits),
             past_key_values=outputs.past_key_values,
             decoder_hidden_states=outputs.decoder_hidden_states,
             decoder_attentions=outputs.decoder_attentions,
@@ -188,6 +213,11 @@ class VanillaTransformerForCausalLM(VanillaTransformerPreTrainedModel, Generatio
         already in the gradient of any loss built from `logits` (see `attach_router_loss`).
         """
         with_router_losses, return_router_logits = request_router_logits(self.config, labels, kwargs)
+        counted = scored = None
+        if labels is not None and "shift_labels" not in kwargs:
+            shift_labels = nn.functional.pad(labels[:, 1:], (0, 1), value=-100)  # position t predicts token t + 1
+            counted = shift_labels != -100
+            scored = scored_positions(self, counted, logits_to_keep)
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -195,9 +225,14 @@ class VanillaTransformerForCausalLM(VanillaTransformerPreTrainedModel, Generatio
             past_key_values=past_key_values,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
+            packing_mask=None if counted is None else positions_the_loss_needs(counted, attention_mask),
             **kwargs,
         )
-        logits = lm_logits(self.lm_head, outputs.last_hidden_state, logits_to_keep)
+        if scored is not None:  # the vocabulary projection and the loss over counted labels only
+            logits = self.lm_head(scored.pack(outputs.last_hidden_state))
+            kwargs["shift_labels"] = labels = scored.pack(shift_labels)
+        else:
+            logits = lm_logits(self.lm_head, outputs.last_hidden_state, logits_to_keep)
         router_stacks = dict(decoder=(outputs.router_logits, attention_mask)) if with_router_losses else None
         logits, router = route_router_loss_through_logits(self.config, logits, router_stacks)
         loss = None
@@ -206,7 +241,7 @@ class VanillaTransformerForCausalLM(VanillaTransformerPreTrainedModel, Generatio
         loss = add_reported_router_loss(loss, router)
         fields = dict(
             loss=loss,
-            logits=logits,
+            logits=logits if scored is None else scored.unpack(logits),
             past_key_values=outputs.past_key_values,
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,

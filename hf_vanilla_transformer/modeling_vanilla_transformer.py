@@ -39,6 +39,7 @@ from .norms_vanilla_transformer import (
     has_final_norm,
     set_deepnorm_init_gains,
 )
+from .packing_vanilla_transformer import PackedTokens
 from .positions_vanilla_transformer import POSITION_EMBEDDINGS
 
 Stack = Literal["encoder", "decoder"]
@@ -87,8 +88,12 @@ class VanillaTransformerAttention(nn.Module):
         self.v_proj = nn.Linear(config.d_model, num_key_value_heads * self.head_dim, bias=config.use_bias)
         self.out_proj = nn.Linear(num_heads * self.head_dim, config.d_model, bias=config.use_bias)
 
-    def _project(self, projection: nn.Linear, states: torch.Tensor) -> torch.Tensor:
-        return projection(states).view(*states.shape[:-1], -1, self.head_dim).transpose(1, 2)
+    def _project(self, projection: nn.Linear, states: torch.Tensor, packing: PackedTokens | None) -> torch.Tensor:
+        """(batch, heads, length, head_dim) projections; packed states are scattered back for the score matrix."""
+        projected = projection(states)
+        if packing is not None:
+            projected = packing.unpack(projected)
+        return projected.view(*projected.shape[:-1], -1, self.head_dim).transpose(1, 2)
 
     def forward(
         self,
@@ -97,10 +102,14 @@ class VanillaTransformerAttention(nn.Module):
         key_value_states: torch.Tensor | None = None,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         past_key_values: Cache | None = None,
+        packing: PackedTokens | None = None,
+        key_packing: PackedTokens | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`packing`: hidden_states holds only the real tokens (packing_vanilla_transformer); `key_packing`: the same
+        for `key_value_states` (cross-attention)."""
         is_cross_attention = key_value_states is not None
-        query = self._project(self.q_proj, hidden_states)
+        query = self._project(self.q_proj, hidden_states, packing)
 
         cache, cross_cached = past_key_values, False
         if isinstance(past_key_values, EncoderDecoderCache):
@@ -112,8 +121,9 @@ class VanillaTransformerAttention(nn.Module):
         if cross_cached:  # the encoder output does not change while decoding: its K/V are projected once
             key, value = cache.layers[self.layer_idx].keys, cache.layers[self.layer_idx].values
         else:
-            source = key_value_states if is_cross_attention else hidden_states
-            key, value = self._project(self.k_proj, source), self._project(self.v_proj, source)
+            source, source_packing = (key_value_states, key_packing) if is_cross_attention else (hidden_states, packing)
+            key = self._project(self.k_proj, source, source_packing)
+            value = self._project(self.v_proj, source, source_packing)
             if position_embeddings is not None:  # RoPE: rotate before caching, so cached keys keep their positions
                 query, key = apply_rotary_pos_emb(query, key, *position_embeddings)
             if cache is not None:
@@ -134,7 +144,8 @@ class VanillaTransformerAttention(nn.Module):
             scaling=self.scaling,
             **kwargs,
         )
-        attn_output = attn_output.reshape(*hidden_states.shape[:-1], -1).contiguous()
+        attn_output = attn_output.reshape(*attn_output.shape[:2], -1)
+        attn_output = attn_output.contiguous() if packing is None else packing.pack(attn_output)
         return self.out_proj(attn_output), attn_weights
 
 
@@ -221,10 +232,13 @@ class VanillaTransformerEncoderLayer(GradientCheckpointingLayer):
         attention_mask: torch.Tensor | None = None,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         padding_mask: torch.Tensor | None = None,
+        packing: PackedTokens | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> torch.Tensor:
         def self_attention(x):
-            return self.self_attn(x, attention_mask, position_embeddings=position_embeddings, **kwargs)[0]
+            return self.self_attn(
+                x, attention_mask, position_embeddings=position_embeddings, packing=packing, **kwargs
+            )[0]
 
         hidden_states = self.self_attn_connection(hidden_states, self_attention)
         return self.mlp_connection(hidden_states, feed_forward_sublayer(self.mlp, padding_mask))
@@ -254,11 +268,18 @@ class VanillaTransformerDecoderLayer(GradientCheckpointingLayer):
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         past_key_values: Cache | None = None,
         padding_mask: torch.Tensor | None = None,
+        packing: PackedTokens | None = None,
+        encoder_packing: PackedTokens | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> torch.Tensor:
         def self_attention(x):
             return self.self_attn(
-                x, attention_mask, position_embeddings=position_embeddings, past_key_values=past_key_values, **kwargs
+                x,
+                attention_mask,
+                position_embeddings=position_embeddings,
+                past_key_values=past_key_values,
+                packing=packing,
+                **kwargs,
             )[0]
 
         def cross_attention(x):
@@ -267,6 +288,8 @@ class VanillaTransformerDecoderLayer(GradientCheckpointingLayer):
                 encoder_attention_mask,
                 key_value_states=encoder_hidden_states,
                 past_key_values=past_key_values,
+                packing=packing,
+                key_packing=encoder_packing,
                 **kwargs,
             )[0]
 
@@ -361,6 +384,19 @@ class VanillaTransformerStack(VanillaTransformerPreTrainedModel):
     def final_norm(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return hidden_states if self.layer_norm is None else self.layer_norm(hidden_states)
 
+    def packing(self, padding_mask: torch.Tensor | None, kwargs: dict) -> PackedTokens | None:
+        """The packing of the real tokens under `padding_mask` when the layers may skip the padding
+        (`config.padding_free`): not while compiling (data-dependent shapes), not when every layer's hidden states are
+        returned (they keep the padded shape), not for MoE layers (their balancing statistics use the padding mask)."""
+        if (
+            not self.config.padding_free
+            or self.config.num_experts > 0
+            or kwargs.get("output_hidden_states", self.config.output_hidden_states)
+            or is_torchdynamo_compiling()
+        ):
+            return None
+        return PackedTokens.of(padding_mask)
+
 
 class VanillaTransformerEncoder(VanillaTransformerStack):
     """The encoder stack: N identical layers over the embedded source (§3.1)."""
@@ -389,12 +425,18 @@ class VanillaTransformerEncoder(VanillaTransformerStack):
         check_padding_mask(attention_mask, inputs_embeds.shape[:2], "attention_mask")
 
         padding_mask = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
+        packing = self.packing(padding_mask, kwargs)
+        if packing is not None:
+            hidden_states = packing.pack(hidden_states)
         attention_mask = create_bidirectional_mask(
             config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask
         )
         for layer in self.layers:
-            hidden_states = layer(hidden_states, attention_mask, rotary, padding_mask=padding_mask, **kwargs)
-        return MoeEncoderOutput(last_hidden_state=self.final_norm(hidden_states))
+            hidden_states = layer(
+                hidden_states, attention_mask, rotary, padding_mask=padding_mask, packing=packing, **kwargs
+            )
+        hidden_states = self.final_norm(hidden_states)
+        return MoeEncoderOutput(last_hidden_state=hidden_states if packing is None else packing.unpack(hidden_states))
 
 
 class VanillaTransformerDecoder(VanillaTransformerStack):
@@ -423,8 +465,15 @@ class VanillaTransformerDecoder(VanillaTransformerStack):
         inputs_embeds: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
         use_cache: bool | None = None,
+        packing_mask: torch.Tensor | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> MoeDecoderOutput:
+        r"""
+        packing_mask (`torch.Tensor` of shape `(batch_size, length)`, *optional*):
+            The positions whose outputs the caller needs (default: the tokens of `attention_mask`); with
+            `config.padding_free` the layers compute only those. A head with labels widens it to every position its
+            loss reads (`positions_the_loss_needs`).
+        """
         if use_cache and past_key_values is None:
             past_key_values = (
                 EncoderDecoderCache(DynamicCache(config=self.config), DynamicCache(config=self.config))
@@ -452,13 +501,20 @@ class VanillaTransformerDecoder(VanillaTransformerStack):
             attention_mask=attention_mask,
             past_key_values=self_attention_cache,
         )
+        packing = self.packing(padding_mask if packing_mask is None else packing_mask, kwargs)
+        if packing is not None:
+            hidden_states = packing.pack(hidden_states)
+        encoder_packing = None
         if encoder_hidden_states is not None:
+            encoder_packing = self.packing(encoder_attention_mask, kwargs)
             encoder_attention_mask = create_bidirectional_mask(
                 config=self.config,
                 inputs_embeds=inputs_embeds,
                 attention_mask=encoder_attention_mask,
                 encoder_hidden_states=encoder_hidden_states,
             )
+            if encoder_packing is not None:  # cross-attention keys and values of the real source tokens only
+                encoder_hidden_states = encoder_packing.pack(encoder_hidden_states)
         for layer in self.layers:
             hidden_states = layer(
                 hidden_states,
@@ -468,9 +524,14 @@ class VanillaTransformerDecoder(VanillaTransformerStack):
                 position_embeddings=rotary,
                 past_key_values=past_key_values,
                 padding_mask=padding_mask,
+                packing=packing,
+                encoder_packing=encoder_packing,
                 **kwargs,
             )
-        return MoeDecoderOutput(last_hidden_state=self.final_norm(hidden_states), past_key_values=past_key_values)
+        hidden_states = self.final_norm(hidden_states)
+        if packing is not None:
+            hidden_states = packing.unpack(hidden_states)
+        return MoeDecoderOutput(last_hidden_state=hidden_states, past_key_values=past_key_values)
 
 
 SEQ2SEQ_AUTO_MAP = {
@@ -527,8 +588,13 @@ class VanillaTransformerModel(VanillaTransformerPreTrainedModel):
         inputs_embeds: torch.Tensor | None = None,
         decoder_inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
+        decoder_packing_mask: torch.Tensor | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> Seq2SeqModelOutput | Seq2SeqMoEModelOutput:
+        r"""
+        decoder_packing_mask (`torch.Tensor` of shape `(batch_size, target_length)`, *optional*):
+            The decoder's `packing_mask`: the target positions whose outputs are needed.
+        """
         if encoder_outputs is None:
             encoder_outputs = self.encoder(
                 input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds, **kwargs
@@ -543,6 +609,7 @@ class VanillaTransformerModel(VanillaTransformerPreTrainedModel):
             past_key_values=past_key_values,
             inputs_embeds=decoder_inputs_embeds,
             use_cache=use_cache,
+            packing_mask=decoder_packing_mask,
             **kwargs,
         )
         outputs = dict(

@@ -83,13 +83,36 @@ def check_same_function(ours, marian, settings: Settings) -> float:
     return difference
 
 
-def training_section(size: str, batch: int, length: int, settings: Settings, peak_flops: float) -> dict:
-    """Tokens/s, MFU and peak memory of one full training step (dropout on), ours vs Marian."""
+def random_lengths(batch: int, length: int, padded: bool, seed: int) -> torch.Tensor:
+    """Every row full, or lengths uniform in [length/8, length] with the longest one full: a randomly drawn batch
+    (transformers' Trainer default, `group_by_length=False`) padded to its longest row, about 45 % padding."""
+    if not padded:
+        return torch.full((batch,), length)
+    lengths = torch.randint(max(1, length // 8), length + 1, (batch,), generator=torch.Generator().manual_seed(seed))
+    lengths[0] = length
+    return lengths
+
+
+def padded_to(tensor: torch.Tensor, lengths: torch.Tensor, value: int) -> torch.Tensor:
+    positions = torch.arange(tensor.shape[1], device=tensor.device)
+    return tensor.masked_fill(positions >= lengths.to(tensor.device)[:, None], value)
+
+
+def training_section(size: str, batch: int, length: int, padded: bool, settings: Settings, peak_flops: float) -> dict:
+    """Tokens/s, MFU and peak memory of one full training step (dropout on), ours vs Marian, on full rows or on a
+    padded batch (source and target lengths drawn independently; the collator's -100 on padded labels)."""
     ours, marian = build_pair(size, 0.1, settings.dtype, settings.device, settings.attn_implementation)
     logit_difference = check_same_function(ours, marian, settings)
-    source = random_batch(ours.config.vocab_size, batch, length, settings.device, seed=3)
-    labels = random_batch(ours.config.vocab_size, batch, length, settings.device, seed=4)
-    attention_mask = torch.ones_like(source)
+    source_lengths = random_lengths(batch, length, padded, seed=6)
+    target_lengths = random_lengths(batch, length, padded, seed=7)
+    pad = ours.config.pad_token_id
+    source = padded_to(
+        random_batch(ours.config.vocab_size, batch, length, settings.device, seed=3), source_lengths, pad
+    )
+    labels = padded_to(
+        random_batch(ours.config.vocab_size, batch, length, settings.device, seed=4), target_lengths, -100
+    )
+    attention_mask = (source != pad).long()
 
     def make_step(model):
         model.train()
@@ -114,12 +137,15 @@ def training_section(size: str, batch: int, length: int, settings: Settings, pea
 
     peak_ours = peak(ours, step_ours, optimizer_ours)
     peak_marian = peak(marian, step_marian, optimizer_marian)
-    flops = training_flops(ours.config, batch, length, length)
-    tokens = batch * length  # target tokens (fairseq's words/s); every row is full length, no padding
+    # Model FLOPs of the real tokens, row by row: padding is not useful work, whoever computes it.
+    flops = sum(training_flops(ours.config, 1, s, t) for s, t in zip(source_lengths.tolist(), target_lengths.tolist()))
+    tokens = int(target_lengths.sum())  # real target tokens (fairseq's words/s)
     return {
         "size": size,
         "batch": batch,
         "length": length,
+        "padded": padded,
+        "padding_fraction": 1 - (int(source_lengths.sum()) + tokens) / (2 * batch * length),
         "logit_max_abs_diff": logit_difference,
         "ours_tokens_per_s": tokens / timing.median_a,
         "marian_tokens_per_s": tokens / timing.median_b,
@@ -183,7 +209,9 @@ def run(settings: Settings, sections: set[str]) -> dict:
     if "train" in sections:
         shapes = {"small": (16, 32), "transformer-base": (8, 32)}
         results["training"] = [
-            training_section(size, *shapes[size], settings, results["peak_matmul_flops"]) for size in sizes
+            training_section(size, *shapes[size], padded, settings, results["peak_matmul_flops"])
+            for padded in (False, True)
+            for size in sizes
         ]
         # The matmul peak again after training: the higher of the two is the MFU denominator (a shared machine only
         # ever makes it look lower).
@@ -214,6 +242,8 @@ def print_table(results: dict) -> None:
     rows = [("benchmark", "ours", "Marian", "ours/Marian")]
     for row in results.get("training", []):
         name = f"train {row['size']} b{row['batch']}x{row['length']}"
+        if row["padded"]:
+            name += f" {row['padding_fraction']:.0%} pad"
         rows.append(
             (
                 f"{name} tok/s",

@@ -30,6 +30,7 @@ from .moe_vanilla_transformer import (
     VanillaTransformerRouter,
     VanillaTransformerSparseMoeBlock,
     feed_forward_sublayer,
+    gated_activation,
     init_moe_weights,
 )
 from .norms_vanilla_transformer import (
@@ -180,8 +181,7 @@ class VanillaTransformerExperts(nn.Module):
 
     def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
         """Hidden activation of a gated expert: act(gate) * up (Shazeer 2020)."""
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.activation_dropout(self.activation(gate) * up)
+        return self.activation_dropout(gated_activation(gate_up, self.activation))
 
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor

@@ -78,6 +78,68 @@ def within_capacity(
     return keep.view(top_k, -1).t()
 
 
+# ---------------------------------------------------------------------------------------------------- experts
+
+# Rows of the gated activation's backward are processed in blocks of about this many elements (4 MB in fp32): its
+# temporaries then stay small enough for the allocator to reuse instead of mapping (and page-faulting) fresh memory.
+_GATE_BACKWARD_BLOCK_ELEMENTS = 1 << 20
+
+
+class _GatedActivation(torch.autograd.Function):
+    """act(gate) * up of a fused [gate; up] projection output (rows, 2I) -> (rows, I), whose backward writes the
+    gradient into that projection output instead of new memory.
+
+    Plain autograd keeps act(gate), computes the two halves' gradients into two new (rows, I) tensors and
+    concatenates them into a third, (rows, 2I); on CPU each large fresh tensor costs page faults on top of its
+    arithmetic. Here, one block of rows at a time, each half is overwritten with its gradient once it is no longer
+    needed, by the same operations autograd runs (the gradients are bit-identical). So the input must be a fresh
+    projection output that nothing else reads afterwards (the experts' up projection): a second backward through
+    the same graph raises autograd's "modified by an inplace operation" error, and a double backward
+    (create_graph=True) raises too.
+    """
+
+    @staticmethod
+    def forward(ctx, gate_up: torch.Tensor, activation: nn.Module) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        hidden = activation(gate)
+        # The identity (bilinear GLU) hands back the gate view itself, which must not be multiplied in place.
+        hidden = hidden * up if hidden is gate else hidden.mul_(up)
+        ctx.activation = activation
+        ctx.save_for_backward(gate_up)
+        return hidden
+
+    @staticmethod
+    def backward(ctx, grad_hidden: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (gate_up,) = ctx.saved_tensors
+        rows_per_block = max(1, _GATE_BACKWARD_BLOCK_ELEMENTS // grad_hidden.shape[-1])
+        for start in range(0, gate_up.shape[0], rows_per_block):
+            gate, up = gate_up[start : start + rows_per_block].chunk(2, dim=-1)
+            _overwrite_with_gradients(ctx.activation, gate, up, grad_hidden[start : start + rows_per_block])
+        return gate_up, None
+
+
+def _overwrite_with_gradients(activation: nn.Module, gate: torch.Tensor, up: torch.Tensor, grad: torch.Tensor) -> None:
+    """One block of rows of `_GatedActivation.backward`: gate <- grad * up * act'(gate), up <- grad * act(gate)."""
+    grad_activated = grad * up
+    if isinstance(activation, nn.SiLU):  # SwiGLU, the usual MoE expert: aten's SiLU derivative, written in place
+        torch.ops.aten.silu.out(gate, out=up)
+        up.mul_(grad)
+        torch.ops.aten.silu_backward.grad_input(grad_activated, gate, grad_input=gate)
+        return
+    with torch.enable_grad():  # any other activation: its derivative from its own autograd backward
+        gate_input = gate.detach().requires_grad_()
+        activated = activation(gate_input)
+    (grad_gate,) = torch.autograd.grad(activated, gate_input, grad_activated)
+    torch.mul(activated.detach(), grad, out=up)  # after autograd.grad: gate_input shares up's version counter
+    gate.copy_(grad_gate)
+
+
+def gated_activation(gate_up: torch.Tensor, activation: nn.Module) -> torch.Tensor:
+    """act(gate) * up (Shazeer 2020) of the experts' fresh [gate; up] projection output, which the backward reuses
+    for its gradient (see `_GatedActivation`)."""
+    return _GatedActivation.apply(gate_up, activation)
+
+
 class VanillaTransformerSparseMoeBlock(nn.Module):
     """The FFN sub-layer as a Mixture of Experts: `gate` (router), `experts`, and optional `shared_experts`.
 
@@ -330,6 +392,7 @@ __all__ = [
     "attach_router_loss",
     "dropped_token_counts",
     "expert_capacity",
+    "gated_activation",
     "load_balancing_loss",
     "request_router_logits",
     "router_z_loss",

@@ -25,6 +25,7 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 from .configuration_vanilla_transformer import GATED_FFN_TYPES, VanillaTransformerConfig
 from .feed_forward_vanilla_transformer import build_feed_forward, ffn_activation
 from .moe_vanilla_transformer import (
+    EXPERTS_FUNCTIONS,
     MoeDecoderOutput,
     MoeEncoderOutput,
     VanillaTransformerRouter,
@@ -150,7 +151,7 @@ class VanillaTransformerAttention(nn.Module):
         return self.out_proj(attn_output), attn_weights
 
 
-@use_experts_implementation
+@use_experts_implementation(experts_interface=EXPERTS_FUNCTIONS)
 class VanillaTransformerExperts(nn.Module):
     """`num_experts` FFNs of `config.ffn_type` (§3.3 or a GLU variant) stored as 3D tensors in Mixtral's layout, so
     transformers' `grouped_mm`/`batched_mm` kernels run them: gated types fuse [gate; up] in `gate_up_proj`

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import initialization as init
+from transformers.integrations.moe import ExpertsInterface, _grouped_linear
 from transformers.modeling_outputs import (
     BaseModelOutput,
     BaseModelOutputWithPastAndCrossAttentions,
@@ -138,6 +139,41 @@ def gated_activation(gate_up: torch.Tensor, activation: nn.Module) -> torch.Tens
     """act(gate) * up (Shazeer 2020) of the experts' fresh [gate; up] projection output, which the backward reuses
     for its gradient (see `_GatedActivation`)."""
     return _GatedActivation.apply(gate_up, activation)
+
+
+def sorted_grouped_mm_experts_forward(
+    experts: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    """`grouped_mm` for our experts: transformers' `grouped_mm_experts_forward` (the (token, expert) assignments
+    sorted by expert, one grouped matmul per projection through the same `_grouped_linear` kernel dispatch) with
+    fewer passes over the (tokens * k, H) rows around the matmuls.
+
+    The sort order gives each row's token directly: rows are gathered with `index_select` and the weighted expert
+    outputs summed back per token with `index_add` (whose backward is again an `index_select`), where transformers
+    gathers by advanced indexing (whose backward zero-fills and scatters), un-permutes the outputs through the inverse
+    permutation and sums a reshape. As there, the sum is taken in the routing weights' fp32 and cast once.
+    """
+    num_tokens, top_k = top_k_index.shape
+    expert_ids, order = top_k_index.reshape(-1).sort()
+    token = order // top_k  # the token of each row, rows in expert order
+    expert_ends = torch.arange(1, experts.num_experts + 1, device=expert_ids.device)
+    offsets = torch.searchsorted(expert_ids, expert_ends, out_int32=True)  # rows up to each expert's last, no sync
+
+    def grouped_linear(inputs: torch.Tensor, projection: str) -> torch.Tensor:
+        bias = getattr(experts, f"{projection}_bias")[expert_ids] if experts.has_bias else None
+        return _grouped_linear(inputs, getattr(experts, projection), offsets, bias, experts.is_transposed)
+
+    up_projection, activate = ("gate_up_proj", experts._apply_gate) if experts.has_gate else ("up_proj", experts.act_fn)
+    hidden = activate(grouped_linear(hidden_states.index_select(0, token), up_projection))
+    weighted = grouped_linear(hidden, "down_proj") * top_k_weights.reshape(-1)[order, None]
+    combined = weighted.new_zeros(num_tokens, weighted.shape[-1]).index_add(0, token, weighted)
+    return combined.to(hidden_states.dtype)
+
+
+# The implementations `VanillaTransformerExperts` dispatches to on `config._experts_implementation`: transformers'
+# own, with `grouped_mm` replaced by ours. (`_grouped_linear` is private to transformers, whose version is pinned.)
+EXPERTS_FUNCTIONS = ExpertsInterface()
+EXPERTS_FUNCTIONS["grouped_mm"] = sorted_grouped_mm_experts_forward
 
 
 class VanillaTransformerSparseMoeBlock(nn.Module):
@@ -383,6 +419,7 @@ class MoeCausalLMOutput(MoeCausalLMOutputWithPast):
 
 
 __all__ = [
+    "EXPERTS_FUNCTIONS",
     "VanillaTransformerRouter",
     "VanillaTransformerSparseMoeBlock",
     "MoeEncoderOutput",

@@ -3,6 +3,7 @@
 Run: python -m pytest -q tests/test_moe.py
 """
 
+import functools
 import math
 import os
 import subprocess
@@ -14,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from conftest import padded_batch, tiny_config
 from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments, TrainerCallback
+from transformers.integrations.moe import grouped_mm_experts_forward
 
 from hf_vanilla_transformer import (
     VanillaTransformerForCausalLM,
@@ -198,6 +200,24 @@ def test_eager_and_grouped_mm_agree(overrides):
     assert eager_grads.keys() == grouped_grads.keys() and len(eager_grads) > 0
     for name in eager_grads:
         torch.testing.assert_close(grouped_grads[name], eager_grads[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("ffn_type", ["swiglu", "gelu"])
+def test_our_grouped_mm_is_transformers_grouped_mm(ffn_type):
+    """Our `grouped_mm` (sorted once, index_select / index_add) computes transformers' function, biases included."""
+    moe = block("grouped_mm", ffn_type=ffn_type, num_experts_per_tok=3)
+    hidden, grad_output = torch.randn(40, 32), torch.randn(40, 32)
+    _, top_k_weights, top_k_index = moe.gate(hidden)
+    results = []
+    for forward in (moe.experts, functools.partial(grouped_mm_experts_forward, moe.experts)):
+        moe.zero_grad()
+        output = forward(hidden, top_k_index, top_k_weights.detach())
+        output.backward(grad_output)
+        results.append((output, {name: p.grad for name, p in moe.experts.named_parameters()}))
+    (ours, our_grads), (transformers_output, transformers_grads) = results
+    torch.testing.assert_close(ours, transformers_output, rtol=1e-6, atol=1e-6)  # k = 3: sums in another order
+    for name in our_grads:
+        torch.testing.assert_close(our_grads[name], transformers_grads[name], rtol=1e-6, atol=1e-6, msg=name)
 
 
 @pytest.mark.parametrize("ffn_type", ["swiglu", "geglu", "reglu", "glu", "bilinear"])

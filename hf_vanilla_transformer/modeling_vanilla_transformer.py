@@ -507,7 +507,9 @@ class VanillaTransformerDecoder(VanillaTransformerStack):
             hidden_states = packing.pack(hidden_states)
         encoder_packing = None
         if encoder_hidden_states is not None:
-            encoder_packing = self.packing(encoder_attention_mask, kwargs)
+            # Once cached, the cross-attention keys and values need no encoder states: nothing to pack per step.
+            cross_cached = isinstance(past_key_values, EncoderDecoderCache) and any(past_key_values.is_updated.values())
+            encoder_packing = None if cross_cached else self.packing(encoder_attention_mask, kwargs)
             encoder_attention_mask = create_bidirectional_mask(
                 config=self.config,
                 inputs_embeds=inputs_embeds,

@@ -20,8 +20,9 @@ class PackedTokens:
 
     @classmethod
     def of(cls, mask: torch.Tensor | None) -> "PackedTokens | None":
-        """The packing of a 2D padding mask (1 = token), or None when there is nothing to skip."""
-        if mask is None or mask.dim() != 2 or bool(mask.all()):
+        """The packing of a 2D padding mask (1 = token), or None when there is nothing to skip. One position per
+        row (a decoding step) is never worth it, and is left alone without a host sync."""
+        if mask is None or mask.dim() != 2 or mask.shape[1] == 1 or bool(mask.all()):
             return None
         return cls(mask.bool())
 

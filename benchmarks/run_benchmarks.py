@@ -5,8 +5,8 @@
 
 Every comparison times our model and the reference in alternating rounds (median of >= 5) and reports ours/reference:
   * training: tokens/s of forward + backward + AdamW step, against `MarianMTModel` with the same dimensions and the
-    same weights (a small size and the paper's transformer-base), plus MFU = model FLOPs/s over the FLOP/s of one big
-    matmul measured in the same run, and peak training memory;
+    same weights (a small size and the paper's transformer-base), on full rows and on a padded batch, plus MFU = model
+    FLOPs/s of the real tokens over the FLOP/s of one big matmul measured in the same run, and peak training memory;
   * decoding: greedy and beam-4 new tokens/s at batch 1 and 8 through `generate()`;
   * MoE: our sparse MoE layer against HF `MixtralSparseMoeBlock` (eager and grouped_mm experts) and against a dense
     FFN with the same active parameters.

@@ -33,7 +33,8 @@ class PackedTokens:
     def unpack(self, packed: torch.Tensor) -> torch.Tensor:
         """(tokens, ...) -> (batch, length, ...), zeros at the padding."""
         padded = packed.new_zeros(self.batch_size * self.length, *packed.shape[1:])
-        return padded.index_copy(0, self.indices, packed).view(self.batch_size, self.length, *packed.shape[1:])
+        padded.index_copy_(0, self.indices, packed)  # in place: the out-of-place op would copy the zeros once more
+        return padded.view(self.batch_size, self.length, *packed.shape[1:])
 
 
 def positions_the_loss_needs(counted: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:

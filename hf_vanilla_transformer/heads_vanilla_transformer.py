@@ -35,8 +35,16 @@ from .moe_vanilla_transformer import (
 from .packing_vanilla_transformer import PackedTokens, positions_the_loss_needs
 
 
-def lm_logits(lm_head: nn.Linear, hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
-    """The pre-softmax projection, on the last `logits_to_keep` positions only (0 = all) to spare the vocab matmul."""
+def lm_logits(
+    lm_head: nn.Linear,
+    hidden_states: torch.Tensor,
+    logits_to_keep: int | torch.Tensor,
+    scored: PackedTokens | None = None,
+) -> torch.Tensor:
+    """The pre-softmax projection, spared where it is not needed: on the `scored` positions only (packed, see
+    `scored_positions`), else on the last `logits_to_keep` positions (0 = all)."""
+    if scored is not None:
+        return lm_head(scored.pack(hidden_states))
     keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
     return lm_head(hidden_states[:, keep, :])
 
@@ -131,11 +139,9 @@ class VanillaTransformerForConditionalGeneration(VanillaTransformerPreTrainedMod
             decoder_packing_mask=decoder_packing_mask,
             **kwargs,
         )
-        if scored is not None:  # the vocabulary projection and the loss over counted labels only
-            logits = self.lm_head(scored.pack(outputs.last_hidden_state))
+        logits = lm_logits(self.lm_head, outputs.last_hidden_state, logits_to_keep, scored)
+        if scored is not None:  # the loss over the counted labels, as packed as their logits
             labels = scored.pack(labels)
-        else:
-            logits = lm_logits(self.lm_head, outputs.last_hidden_state, logits_to_keep)
         router_stacks = None
         if with_router_losses:
             router_stacks = dict(
@@ -214,8 +220,10 @@ class VanillaTransformerForCausalLM(VanillaTransformerPreTrainedModel, Generatio
         """
         with_router_losses, return_router_logits = request_router_logits(self.config, labels, kwargs)
         counted = scored = None
-        if labels is not None and "shift_labels" not in kwargs:
-            shift_labels = nn.functional.pad(labels[:, 1:], (0, 1), value=-100)  # position t predicts token t + 1
+        if labels is not None:
+            shift_labels = kwargs.get("shift_labels")
+            if shift_labels is None:  # position t predicts token t + 1
+                shift_labels = nn.functional.pad(labels[:, 1:], (0, 1), value=-100)
             counted = shift_labels != -100
             scored = scored_positions(self, counted, logits_to_keep)
         outputs = self.model(
@@ -228,11 +236,9 @@ class VanillaTransformerForCausalLM(VanillaTransformerPreTrainedModel, Generatio
             packing_mask=None if counted is None else positions_the_loss_needs(counted, attention_mask),
             **kwargs,
         )
-        if scored is not None:  # the vocabulary projection and the loss over counted labels only
-            logits = self.lm_head(scored.pack(outputs.last_hidden_state))
+        logits = lm_logits(self.lm_head, outputs.last_hidden_state, logits_to_keep, scored)
+        if scored is not None:  # the loss over the counted labels, as packed as their logits
             kwargs["shift_labels"] = labels = scored.pack(shift_labels)
-        else:
-            logits = lm_logits(self.lm_head, outputs.last_hidden_state, logits_to_keep)
         router_stacks = dict(decoder=(outputs.router_logits, attention_mask)) if with_router_losses else None
         logits, router = route_router_loss_through_logits(self.config, logits, router_stacks)
         loss = None

@@ -16,7 +16,11 @@ from hf_vanilla_transformer.packing_vanilla_transformer import PackedTokens, pos
 VARIANTS = {
     "paper": {},
     "pre-rmsnorm-rope-swiglu-gqa": dict(
-        norm_position="pre", norm_type="rmsnorm", position_embedding_type="rope", ffn_type="swiglu", num_key_value_heads=2
+        norm_position="pre",
+        norm_type="rmsnorm",
+        position_embedding_type="rope",
+        ffn_type="swiglu",
+        num_key_value_heads=2,
     ),
     "learned-positions-eager": dict(position_embedding_type="learned", attn_implementation="eager"),
 }
@@ -187,3 +191,16 @@ def test_single_stack_heads_equal_the_padded_computation(model_class):
     torch.testing.assert_close(outputs[0].loss, outputs[1].loss, rtol=0, atol=1e-6)
     for p_packed, p_padded in zip(packed.parameters(), padded.parameters()):
         torch.testing.assert_close(p_packed.grad, p_padded.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_causal_lm_with_given_shift_labels_equals_the_padded_computation():
+    """Labels already shifted by the caller (transformers' `shift_labels`, as under context parallelism) are packed
+    the same way, including targets predicted from padding."""
+    packed, padded = padded_pair(VanillaTransformerForCausalLM)
+    source, source_mask, _ = translation_batch()
+    shift_labels = torch.nn.functional.pad(source[:, 1:], (0, 1), value=-100)
+    losses = [
+        model.train()(input_ids=source, attention_mask=source_mask, labels=source, shift_labels=shift_labels).loss
+        for model in (packed, padded)
+    ]
+    torch.testing.assert_close(losses[0], losses[1], rtol=0, atol=1e-6)

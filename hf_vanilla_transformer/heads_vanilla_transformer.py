@@ -58,7 +58,6 @@ def scored_positions(
         counted is None
         or not model.training
         or not model.config.padding_free
-        or model.config.num_experts > 0
         or not (isinstance(logits_to_keep, int) and logits_to_keep == 0)
     ):
         return None
@@ -146,7 +145,11 @@ class VanillaTransformerForConditionalGeneration(VanillaTransformerPreTrainedMod
         if with_router_losses:
             router_stacks = dict(
                 encoder=(outputs.encoder_router_logits, attention_mask),
-                decoder=(outputs.decoder_router_logits, decoder_attention_mask),
+                # The target positions the loss needs when labels are given: label padding is not balanced either.
+                decoder=(
+                    outputs.decoder_router_logits,
+                    decoder_attention_mask if decoder_packing_mask is None else decoder_packing_mask,
+                ),
             )
         logits, router = route_router_loss_through_logits(self.config, logits, router_stacks)
         loss = None

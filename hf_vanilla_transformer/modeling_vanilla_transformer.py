@@ -242,7 +242,7 @@ class VanillaTransformerEncoderLayer(GradientCheckpointingLayer):
             )[0]
 
         hidden_states = self.self_attn_connection(hidden_states, self_attention)
-        return self.mlp_connection(hidden_states, feed_forward_sublayer(self.mlp, padding_mask))
+        return self.mlp_connection(hidden_states, feed_forward_sublayer(self.mlp, padding_mask, packing))
 
 
 class VanillaTransformerDecoderLayer(GradientCheckpointingLayer):
@@ -297,7 +297,7 @@ class VanillaTransformerDecoderLayer(GradientCheckpointingLayer):
         hidden_states = self.self_attn_connection(hidden_states, self_attention)
         if encoder_hidden_states is not None:
             hidden_states = self.encoder_attn_connection(hidden_states, cross_attention)
-        return self.mlp_connection(hidden_states, feed_forward_sublayer(self.mlp, padding_mask))
+        return self.mlp_connection(hidden_states, feed_forward_sublayer(self.mlp, padding_mask, packing))
 
 
 class VanillaTransformerPreTrainedModel(PreTrainedModel):
@@ -388,10 +388,9 @@ class VanillaTransformerStack(VanillaTransformerPreTrainedModel):
     def packing(self, padding_mask: torch.Tensor | None, kwargs: dict) -> PackedTokens | None:
         """The packing of the real tokens under `padding_mask` when the layers may skip the padding
         (`config.padding_free`): not while compiling (data-dependent shapes), not when every layer's hidden states are
-        returned (they keep the padded shape), not for MoE layers (their balancing statistics use the padding mask)."""
+        returned (they keep the padded shape)."""
         if (
             not self.config.padding_free
-            or self.config.num_experts > 0
             or kwargs.get("output_hidden_states", self.config.output_hidden_states)
             or is_torchdynamo_compiling()
         ):
@@ -488,9 +487,12 @@ class VanillaTransformerDecoder(VanillaTransformerStack):
         if encoder_hidden_states is not None:
             check_padding_mask(encoder_attention_mask, encoder_hidden_states.shape[:2], "attention_mask (source)")
 
-        # MoE capacity counts real tokens only: the mask columns of this step's tokens (the mask also covers the cache)
+        # The tokens this step computes (MoE capacity counts only them): the caller's packing mask, else the mask
+        # columns of this step's tokens (the mask also covers the cache).
         has_padding_mask = attention_mask is not None and attention_mask.dim() == 2
         padding_mask = attention_mask[:, past_length:] if has_padding_mask else None
+        if packing_mask is not None:
+            padding_mask = packing_mask
         self_attention_cache = (
             past_key_values.self_attention_cache
             if isinstance(past_key_values, EncoderDecoderCache)
@@ -502,7 +504,7 @@ class VanillaTransformerDecoder(VanillaTransformerStack):
             attention_mask=attention_mask,
             past_key_values=self_attention_cache,
         )
-        packing = self.packing(padding_mask if packing_mask is None else packing_mask, kwargs)
+        packing = self.packing(padding_mask, kwargs)
         if packing is not None:
             hidden_states = packing.pack(hidden_states)
         encoder_packing = None

@@ -28,6 +28,7 @@ from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_fun
 
 from .configuration_vanilla_transformer import VanillaTransformerConfig
 from .norms_vanilla_transformer import deepnorm_constants
+from .packing_vanilla_transformer import PackedTokens
 
 
 class VanillaTransformerRouter(nn.Module):
@@ -41,8 +42,12 @@ class VanillaTransformerRouter(nn.Module):
         self.jitter_noise = config.router_jitter_noise
         self.weight = nn.Parameter(torch.empty(config.num_experts, config.d_model))
 
-    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """hidden_states (T, H) -> router logits (T, E) fp32, top-k weights (T, k) fp32, top-k expert ids (T, k)."""
+    def forward(
+        self, hidden_states: torch.Tensor, packing: PackedTokens | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """hidden_states (T, H) -> router logits (T, E) fp32, top-k weights (T, k) fp32, top-k expert ids (T, k).
+        Packed hidden states (`packing`) get their logits back in the padded (batch * length, E) layout, 0 at the
+        padding, so the balancing statistics (`router_logits` outputs) read the same rows as without packing."""
         hidden_states = hidden_states.float()
         if self.training and self.jitter_noise > 0:
             # Multiplicative jitter on the router input only (Switch Transformer §2.4): explores routings in
@@ -53,6 +58,8 @@ class VanillaTransformerRouter(nn.Module):
         top_k_weights, top_k_index = torch.topk(router_logits.softmax(dim=-1), self.top_k, dim=-1)
         if self.norm_topk_prob:  # Mixtral: the k chosen weights sum to one
             top_k_weights = top_k_weights / top_k_weights.sum(dim=-1, keepdim=True)
+        if packing is not None:
+            router_logits = packing.unpack(router_logits).flatten(0, 1)
         return router_logits, top_k_weights, top_k_index
 
 
@@ -201,10 +208,16 @@ class VanillaTransformerSparseMoeBlock(nn.Module):
                 if experts is not None:
                     experts.deepnorm_gain = deepnorm_constants(config, stack)[1]
 
-    def forward(self, hidden_states: torch.Tensor, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """hidden_states (B, S, H), padding_mask (B, S) with 0 on padding -> (B, S, H)."""
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        padding_mask: torch.Tensor | None = None,
+        packing: PackedTokens | None = None,
+    ) -> torch.Tensor:
+        """hidden_states (B, S, H), padding_mask (B, S) with 0 on padding -> (B, S, H); or the packed real tokens
+        (N, H) with their `packing` -> (N, H), every row a token."""
         flat = hidden_states.reshape(-1, hidden_states.shape[-1])
-        _, top_k_weights, top_k_index = self.gate(flat)
+        _, top_k_weights, top_k_index = self.gate(flat, packing)
         if self.capacity_factor is None:
             output = self.experts(flat, top_k_index, top_k_weights)
         else:
@@ -232,10 +245,11 @@ class VanillaTransformerSparseMoeBlock(nn.Module):
         return torch.zeros_like(flat).index_add_(0, token, kept)
 
 
-def feed_forward_sublayer(mlp: nn.Module, padding_mask: torch.Tensor | None):
-    """The layer's FFN as a function of the hidden states; a MoE block also needs the padding mask (capacity)."""
+def feed_forward_sublayer(mlp: nn.Module, padding_mask: torch.Tensor | None, packing: PackedTokens | None = None):
+    """The layer's FFN as a function of the hidden states; a MoE block also needs the padding mask (capacity), or
+    the packing of hidden states that hold the real tokens only."""
     if isinstance(mlp, VanillaTransformerSparseMoeBlock):
-        return lambda hidden_states: mlp(hidden_states, padding_mask)
+        return lambda hidden_states: mlp(hidden_states, None if packing is not None else padding_mask, packing)
     return mlp
 
 

@@ -11,6 +11,7 @@ from hf_vanilla_transformer import (
     VanillaTransformerForConditionalGeneration,
     VanillaTransformerForSequenceClassification,
 )
+from hf_vanilla_transformer.moe_vanilla_transformer import dropped_token_counts
 from hf_vanilla_transformer.packing_vanilla_transformer import PackedTokens, positions_the_loss_needs
 
 VARIANTS = {
@@ -23,6 +24,10 @@ VARIANTS = {
         num_key_value_heads=2,
     ),
     "learned-positions-eager": dict(position_embedding_type="learned", attn_implementation="eager"),
+    # Capacity-limited experts: the same tokens must compete for the same room, packed or not.
+    "moe-capacity-shared": dict(
+        num_experts=4, num_experts_per_tok=2, ffn_type="swiglu", expert_capacity_factor=1.0, num_shared_experts=1
+    ),
 }
 
 
@@ -83,6 +88,10 @@ def test_training_step_equals_the_padded_computation(variant):
         outputs[name] = model(input_ids=source, attention_mask=source_mask, labels=labels)
         outputs[name].loss.backward()
     torch.testing.assert_close(outputs["packed"].loss, outputs["padded"].loss, rtol=0, atol=1e-6)
+    if packed.config.num_experts:  # balancing and z losses over the same rows, and the same dropped assignments
+        for field in ("encoder_aux_loss", "decoder_aux_loss", "encoder_z_loss", "decoder_z_loss"):
+            torch.testing.assert_close(getattr(outputs["packed"], field), getattr(outputs["padded"], field))
+        assert dropped_token_counts(packed) == dropped_token_counts(padded)
     for (name, p_packed), p_padded in zip(packed.named_parameters(), padded.parameters()):
         torch.testing.assert_close(p_packed.grad, p_padded.grad, rtol=1e-5, atol=1e-6, msg=name)
     counted = labels != -100

@@ -1,9 +1,12 @@
-"""Two CPU processes (gloo) train a MoE seq2seq model under DistributedDataParallel; run by tests/test_moe.py as
-`python -m torch.distributed.run --standalone --nproc_per_node 2 tests/ddp_moe_script.py`.
+"""Two CPU processes (gloo) train a MoE seq2seq model under DistributedDataParallel. tests/test_moe.py starts the two
+ranks itself (RANK, WORLD_SIZE and a file-store INIT_METHOD in the environment); by hand,
+`python -m torch.distributed.run --standalone --nproc_per_node 2 tests/ddp_moe_script.py` works too.
 
 `find_unused_parameters=False` (the Trainer's default) makes DDP raise at the next step if any parameter got no
 gradient; each rank sees different data, so different experts are hit (and dropped) on each.
 """
+
+import os
 
 import torch
 import torch.distributed as dist
@@ -14,7 +17,12 @@ from hf_vanilla_transformer import VanillaTransformerForConditionalGeneration
 
 
 def main() -> None:
-    dist.init_process_group("gloo")
+    dist.init_process_group(
+        "gloo",
+        init_method=os.environ.get("INIT_METHOD", "env://"),
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+    )
     rank = dist.get_rank()
     torch.manual_seed(0)  # the same initial weights on both ranks
     config = tiny_config(num_experts=4, num_experts_per_tok=2, num_shared_experts=1, expert_capacity_factor=1.0)

@@ -32,7 +32,7 @@ from .moe_vanilla_transformer import (
     request_router_logits,
     route_router_loss_through_logits,
 )
-from .packing_vanilla_transformer import PackedTokens, positions_the_loss_needs
+from .packing_vanilla_transformer import PackedTokens, positions_the_loss_needs, routed_tokens
 
 
 def lm_logits(
@@ -145,11 +145,8 @@ class VanillaTransformerForConditionalGeneration(VanillaTransformerPreTrainedMod
         if with_router_losses:
             router_stacks = dict(
                 encoder=(outputs.encoder_router_logits, attention_mask),
-                # The target positions the loss needs when labels are given: label padding is not balanced either.
-                decoder=(
-                    outputs.decoder_router_logits,
-                    decoder_attention_mask if decoder_packing_mask is None else decoder_packing_mask,
-                ),
+                # With labels, only the target positions the loss needs: label padding is not balanced either.
+                decoder=(outputs.decoder_router_logits, routed_tokens(decoder_packing_mask, decoder_attention_mask)),
             )
         logits, router = route_router_loss_through_logits(self.config, logits, router_stacks)
         loss = None
@@ -222,13 +219,14 @@ class VanillaTransformerForCausalLM(VanillaTransformerPreTrainedModel, Generatio
         already in the gradient of any loss built from `logits` (see `attach_router_loss`).
         """
         with_router_losses, return_router_logits = request_router_logits(self.config, labels, kwargs)
-        counted = scored = None
+        counted = scored = packing_mask = None
         if labels is not None:
             shift_labels = kwargs.get("shift_labels")
             if shift_labels is None:  # position t predicts token t + 1
                 shift_labels = nn.functional.pad(labels[:, 1:], (0, 1), value=-100)
             counted = shift_labels != -100
             scored = scored_positions(self, counted, logits_to_keep)
+            packing_mask = positions_the_loss_needs(counted, attention_mask)
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -236,13 +234,14 @@ class VanillaTransformerForCausalLM(VanillaTransformerPreTrainedModel, Generatio
             past_key_values=past_key_values,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
-            packing_mask=None if counted is None else positions_the_loss_needs(counted, attention_mask),
+            packing_mask=packing_mask,
             **kwargs,
         )
         logits = lm_logits(self.lm_head, outputs.last_hidden_state, logits_to_keep, scored)
         if scored is not None:  # the loss over the counted labels, as packed as their logits
             kwargs["shift_labels"] = labels = scored.pack(shift_labels)
-        router_stacks = dict(decoder=(outputs.router_logits, attention_mask)) if with_router_losses else None
+        router_mask = routed_tokens(packing_mask, attention_mask)
+        router_stacks = dict(decoder=(outputs.router_logits, router_mask)) if with_router_losses else None
         logits, router = route_router_loss_through_logits(self.config, logits, router_stacks)
         loss = None
         if labels is not None:

@@ -47,3 +47,13 @@ def positions_the_loss_needs(counted: torch.Tensor, attention_mask: torch.Tensor
     if attention_mask is not None and attention_mask.dim() == 2:
         needed &= attention_mask.bool() | counted
     return needed
+
+
+def routed_tokens(packing_mask: torch.Tensor | None, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """The rows MoE balancing statistics count: the computed positions (`packing_mask`, when a loss narrowed them)
+    that the attention mask keeps. Packed or not, the same rows: a packed layer routes only `packing_mask`'s."""
+    if packing_mask is None:
+        return attention_mask
+    if attention_mask is None or attention_mask.dim() != 2:
+        return packing_mask
+    return packing_mask & attention_mask.bool()

@@ -388,8 +388,11 @@ def test_causal_lm_with_experts_returns_aux_and_z_loss():
     input_ids, attention_mask = padded_batch()
     out = model(input_ids=input_ids, attention_mask=attention_mask, labels=input_ids, output_router_logits=True)
     assert len(out.router_logits) == 2
-    torch.testing.assert_close(out.aux_loss, load_balancing_loss(out.router_logits, model.config, attention_mask))
-    torch.testing.assert_close(out.z_loss, router_z_loss(out.router_logits, attention_mask))
+    # Padding and each row's last position are left out: the loss reads no prediction made there.
+    balanced = attention_mask.clone()
+    balanced[:, -1] = 0
+    torch.testing.assert_close(out.aux_loss, load_balancing_loss(out.router_logits, model.config, balanced))
+    torch.testing.assert_close(out.z_loss, router_z_loss(out.router_logits, balanced))
     out.loss.backward()
     assert model.model.layers[0].mlp.gate.weight.grad.abs().sum() > 0
 

@@ -213,3 +213,24 @@ def test_causal_lm_with_given_shift_labels_equals_the_padded_computation():
         for model in (packed, padded)
     ]
     torch.testing.assert_close(losses[0], losses[1], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("with_attention_mask", [False, True])
+def test_moe_causal_lm_balances_the_same_tokens_packed_or_not(with_attention_mask):
+    """Labels ignored at the end of rows narrow what the decoder computes; the router statistics must then count the
+    same rows in both computations."""
+    packed, padded = padded_pair(VanillaTransformerForCausalLM, num_experts=4, num_experts_per_tok=2, ffn_type="swiglu")
+    input_ids = torch.randint(3, 64, (3, 8), generator=torch.Generator().manual_seed(0))
+    labels = input_ids.clone()
+    labels[1, 5:], labels[2, 3:] = -100, -100
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[2, 6:] = 0
+    outputs = [
+        model.train()(
+            input_ids=input_ids, attention_mask=attention_mask if with_attention_mask else None, labels=labels
+        )
+        for model in (packed, padded)
+    ]
+    torch.testing.assert_close(outputs[0].aux_loss, outputs[1].aux_loss)
+    torch.testing.assert_close(outputs[0].z_loss, outputs[1].z_loss)
+    torch.testing.assert_close(outputs[0].loss, outputs[1].loss, rtol=0, atol=1e-6)

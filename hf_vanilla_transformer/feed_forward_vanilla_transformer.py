@@ -38,7 +38,9 @@ class FeedForward(nn.Module):
         self.act_fn = ffn_activation(config)
         self.activation_dropout = nn.Dropout(config.activation_dropout)
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, **kwargs) -> torch.Tensor:
+        """Any shape (..., d_model): each position on its own (§3.3), so the token layout that the layer's keyword
+        arguments carry for attention does not concern it."""
         return self.fc2(self.activation_dropout(self.act_fn(self.fc1(hidden_states))))
 
 
@@ -54,7 +56,8 @@ class GatedFeedForward(nn.Module):
         self.act_fn = ffn_activation(config)
         self.activation_dropout = nn.Dropout(config.activation_dropout)
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, **kwargs) -> torch.Tensor:
+        """Any shape (..., d_model), each position on its own (see `FeedForward.forward`)."""
         gated = self.act_fn(self.gate_proj(hidden_states)) * self.up_proj(hidden_states)
         return self.down_proj(self.activation_dropout(gated))
 

@@ -1,6 +1,11 @@
-"""Task heads: the translation model (encoder-decoder LM), a decoder-only LM and an encoder-only classifier."""
+"""Task heads: the translation model (encoder-decoder LM), a decoder-only LM and an encoder-only classifier.
+
+The two language-model heads share one pipeline (`TokenPredictionHead`): plan which positions the stack and the
+vocabulary projection must compute, run the stack, project, add the MoE router losses, take the loss.
+"""
 
 import copy
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -13,6 +18,7 @@ from transformers.modeling_outputs import (
     Seq2SeqMoEOutput,
     SequenceClassifierOutput,
 )
+from transformers.modeling_utils import slice_logits_to_keep
 from transformers.models.bart.modeling_bart import shift_tokens_right
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple
@@ -28,43 +34,127 @@ from .modeling_vanilla_transformer import (
 )
 from .moe_vanilla_transformer import (
     MoeCausalLMOutput,
-    add_reported_router_loss,
-    request_router_logits,
-    route_router_loss_through_logits,
+    RouterLosses,
+    attach_router_loss,
+    counted_router_rows,
+    router_logits_per_position,
 )
-from .packing_vanilla_transformer import PackedTokens, positions_the_loss_needs, routed_tokens
+from .packing_vanilla_transformer import positions_the_loss_needs, token_mask_of
 
 
-def lm_logits(
-    lm_head: nn.Linear,
-    hidden_states: torch.Tensor,
-    logits_to_keep: int | torch.Tensor,
-    scored: PackedTokens | None = None,
-) -> torch.Tensor:
-    """The pre-softmax projection, spared where it is not needed: on the `scored` positions only (packed, see
-    `scored_positions`), else on the last `logits_to_keep` positions (0 = all)."""
-    if scored is not None:
-        return lm_head(scored.pack(hidden_states))
-    keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-    return lm_head(hidden_states[:, keep, :])
+@dataclass
+class RouterRequest:
+    """What a head asks of the MoE routers in one forward: their losses (`compute`), which join the gradient through
+    the logits whenever one may be taken, so that a loss built from the logits alone still trains the routers; and
+    whether the losses and router logits are returned (`report`)."""
+
+    compute: bool
+    report: bool
+    return_logits: bool
+
+    @classmethod
+    def of(cls, config: VanillaTransformerConfig, labels, output_router_logits: bool | None) -> "RouterRequest":
+        asked = config.output_router_logits if output_router_logits is None else output_router_logits
+        if config.num_experts == 0:
+            return cls(compute=False, report=False, return_logits=False)
+        # Mixtral's convention: the losses are returned with a loss or when asked for, so that outputs[0] is the
+        # logits whenever no loss is returned, in training as in inference.
+        report = asked or labels is not None
+        return cls(compute=report or torch.is_grad_enabled(), report=report, return_logits=asked)
+
+    def returned(self, router_logits: tuple[torch.Tensor, ...] | None, token_mask: torch.Tensor | None):
+        """The router logits to return (None unless asked for), one row per position (see
+        `router_logits_per_position`)."""
+        return router_logits_per_position(router_logits, token_mask) if self.return_logits else None
+
+    def losses(self, config: VanillaTransformerConfig, **stacks: tuple) -> RouterLosses | None:
+        """`stacks`: name -> (router logits of its MoE layers, the positions it routed, its padding mask), the masks
+        (batch, length) or None; None when not computed."""
+        if not self.compute:
+            return None
+        counted = {name: (logits, counted_router_rows(logits, *masks)) for name, (logits, *masks) in stacks.items()}
+        return RouterLosses.of_stacks(config, **counted)
 
 
-def scored_positions(
-    model: VanillaTransformerPreTrainedModel, counted: torch.Tensor | None, logits_to_keep: int | torch.Tensor
-) -> PackedTokens | None:
-    """In training with `config.padding_free`, the positions whose logits the loss reads (`counted`): the only logits
-    a training step needs. The head returns theirs in place and 0 elsewhere (packing_vanilla_transformer)."""
-    if (
-        counted is None
-        or not model.training
-        or not model.config.padding_free
-        or not (isinstance(logits_to_keep, int) and logits_to_keep == 0)
-    ):
-        return None
-    return PackedTokens.of(counted)
+@dataclass
+class TokenPredictions:
+    """A language-model head's plan for one forward, made before its stack runs.
+
+    targets     (batch, length) labels aligned with the outputs (shifted already for next-token prediction), -100
+                where ignored
+    token_mask  the positions the stack must compute: those the loss reads and the real tokens before them; None
+                without labels (every token of the attention mask)
+    scored      in training with `config.padding_free`, the positions whose logits the loss reads: the only logits a
+                training step needs, the rest are returned as 0
+    """
+
+    targets: torch.Tensor | None
+    token_mask: torch.Tensor | None
+    scored: torch.Tensor | None
+    router: RouterRequest
+
+    def routed_positions(self, attention_mask: torch.Tensor | None, length: int) -> torch.Tensor | None:
+        """The positions the stack computed (and its MoE layers routed): `token_mask`, else the tokens among the
+        attention mask's last `length` columns (the mask of a decoding step also covers the cache)."""
+        if self.token_mask is not None:
+            return self.token_mask
+        padding_mask = token_mask_of(attention_mask)
+        return None if padding_mask is None else padding_mask[:, -length:]
 
 
-class VanillaTransformerForConditionalGeneration(VanillaTransformerPreTrainedModel, VanillaTransformerGenerationMixin):
+class TokenPredictionHead(VanillaTransformerPreTrainedModel):
+    """The shared part of the two language-model heads: a stack, then `lm_head` tied to the embedding (§3.4)."""
+
+    def plan(
+        self,
+        targets: torch.Tensor | None,
+        attention_mask: torch.Tensor | None,
+        logits_to_keep: int | torch.Tensor,
+        output_router_logits: bool | None,
+    ) -> TokenPredictions:
+        if targets is None:
+            return TokenPredictions(None, None, None, RouterRequest.of(self.config, None, output_router_logits))
+        counted = targets != -100
+        only_counted = (
+            self.training and self.config.padding_free and isinstance(logits_to_keep, int) and not logits_to_keep
+        )
+        return TokenPredictions(
+            targets=targets,
+            token_mask=positions_the_loss_needs(counted, token_mask_of(attention_mask)),
+            scored=counted if only_counted else None,
+            router=RouterRequest.of(self.config, targets, output_router_logits),
+        )
+
+    def predict(
+        self,
+        plan: TokenPredictions,
+        hidden_states: torch.Tensor,
+        logits_to_keep: int | torch.Tensor,
+        router_losses: RouterLosses | None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(loss, logits): the vocabulary projection of the positions the plan keeps, the router losses carried into
+        its gradient, and the loss over the targets (plus the router losses, as a value: their gradient already
+        flows through the logits)."""
+        logits = self.lm_head(
+            slice_logits_to_keep(hidden_states, logits_to_keep if plan.scored is None else plan.scored)
+        )
+        if router_losses is not None:
+            logits = attach_router_loss(logits, router_losses.total)
+        loss = None
+        if plan.targets is not None:
+            targets = plan.targets if plan.scored is None else plan.targets[plan.scored]
+            # Summed over tokens and divided by num_items_in_batch when the Trainer passes it: exact under gradient
+            # accumulation, unlike a per-batch mean.
+            loss = self.loss_function(logits, targets, vocab_size=self.config.vocab_size, **kwargs)
+            if router_losses is not None:
+                loss = loss + router_losses.total.detach()
+        if plan.scored is not None:  # the returned logits keep the (batch, length, vocab) layout, 0 where unscored
+            logits = logits.new_zeros(*plan.scored.shape, logits.shape[-1]).index_put((plan.scored,), logits)
+        return loss, logits
+
+
+class VanillaTransformerForConditionalGeneration(TokenPredictionHead, VanillaTransformerGenerationMixin):
     """Encoder-decoder with the pre-softmax projection tied to the shared embedding (§3.4): the translation model.
 
     Beam search can rank hypotheses with the paper's GNMT length penalty: `generate(..., length_penalty_type="gnmt")`.
@@ -109,6 +199,7 @@ class VanillaTransformerForConditionalGeneration(VanillaTransformerPreTrainedMod
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
+        output_router_logits: bool | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> Seq2SeqLMOutput | Seq2SeqMoEOutput:
         r"""
@@ -121,10 +212,7 @@ class VanillaTransformerForConditionalGeneration(VanillaTransformerPreTrainedMod
         """
         if labels is not None and decoder_input_ids is None and decoder_inputs_embeds is None:
             decoder_input_ids = self.prepare_decoder_input_ids_from_labels(labels)
-        counted = None if labels is None else labels != -100
-        scored = scored_positions(self, counted, logits_to_keep)
-        decoder_packing_mask = None if labels is None else positions_the_loss_needs(counted, decoder_attention_mask)
-        with_router_losses, return_router_logits = request_router_logits(self.config, labels, kwargs)
+        plan = self.plan(labels, decoder_attention_mask, logits_to_keep, output_router_logits)
         outputs = self.model(
             input_ids,
             attention_mask=attention_mask,
@@ -135,29 +223,25 @@ class VanillaTransformerForConditionalGeneration(VanillaTransformerPreTrainedMod
             inputs_embeds=inputs_embeds,
             decoder_inputs_embeds=decoder_inputs_embeds,
             use_cache=use_cache,
-            decoder_packing_mask=decoder_packing_mask,
+            decoder_token_mask=plan.token_mask,
+            output_router_logits=plan.router.compute or plan.router.return_logits,
             **kwargs,
         )
-        logits = lm_logits(self.lm_head, outputs.last_hidden_state, logits_to_keep, scored)
-        if scored is not None:  # the loss over the counted labels, as packed as their logits
-            labels = scored.pack(labels)
-        router_stacks = None
-        if with_router_losses:
-            router_stacks = dict(
-                encoder=(outputs.encoder_router_logits, attention_mask),
-                # With labels, only the target positions the loss needs: label padding is not balanced either.
-                decoder=(outputs.decoder_router_logits, routed_tokens(decoder_packing_mask, decoder_attention_mask)),
-            )
-        logits, router = route_router_loss_through_logits(self.config, logits, router_stacks)
-        loss = None
-        if labels is not None:
-            # Summed over tokens and divided by num_items_in_batch when the Trainer passes it: exact under
-            # gradient accumulation, unlike a per-batch mean.
-            loss = self.loss_function(logits, labels, vocab_size=self.config.vocab_size, **kwargs)
-        loss = add_reported_router_loss(loss, router)
+        source_mask = token_mask_of(attention_mask)
+        target_mask = plan.routed_positions(decoder_attention_mask, outputs.last_hidden_state.shape[1])
+        router_losses = plan.router.losses(
+            self.config,
+            encoder=(getattr(outputs, "encoder_router_logits", None), source_mask, source_mask),
+            decoder=(
+                getattr(outputs, "decoder_router_logits", None),
+                target_mask,
+                token_mask_of(decoder_attention_mask),
+            ),
+        )
+        loss, logits = self.predict(plan, outputs.last_hidden_state, logits_to_keep, router_losses, **kwargs)
         fields = dict(
             loss=loss,
-            logits=logits if scored is None else scored.unpack(logits),
+            logits=logits,
             past_key_values=outputs.past_key_values,
             decoder_hidden_states=outputs.decoder_hidden_states,
             decoder_attentions=outputs.decoder_attentions,
@@ -170,9 +254,9 @@ class VanillaTransformerForConditionalGeneration(VanillaTransformerPreTrainedMod
             return Seq2SeqLMOutput(**fields)
         return Seq2SeqMoEOutput(
             **fields,
-            **(router.output_fields("{stack}_{kind}_loss") if router is not None else {}),
-            encoder_router_logits=outputs.encoder_router_logits if return_router_logits else None,
-            decoder_router_logits=outputs.decoder_router_logits if return_router_logits else None,
+            **(router_losses.output_fields("{stack}_{kind}_loss") if plan.router.report else {}),
+            encoder_router_logits=plan.router.returned(outputs.encoder_router_logits, source_mask),
+            decoder_router_logits=plan.router.returned(outputs.decoder_router_logits, target_mask),
         )
 
 
@@ -184,7 +268,7 @@ def single_stack_config(config: VanillaTransformerConfig) -> VanillaTransformerC
     return config
 
 
-class VanillaTransformerForCausalLM(VanillaTransformerPreTrainedModel, GenerationMixin):
+class VanillaTransformerForCausalLM(TokenPredictionHead, GenerationMixin):
     """Decoder-only language model (GPT-style): the decoder stack without cross-attention, and a tied LM head."""
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
@@ -195,8 +279,17 @@ class VanillaTransformerForCausalLM(VanillaTransformerPreTrainedModel, Generatio
         super().__init__(config)
         self.model = VanillaTransformerDecoder(config)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=config.lm_head_bias)
+        # The head shifts the labels itself (`next_token_targets`), so the loss must not shift them again.
+        self.loss_type = "ForMaskedLM"
         self._set_auto_map()
         self.post_init()
+
+    @staticmethod
+    def next_token_targets(labels: torch.Tensor | None, shift_labels: torch.Tensor | None) -> torch.Tensor | None:
+        """The label each position predicts: position t predicts token t + 1 (or the caller's `shift_labels`)."""
+        if labels is None or shift_labels is not None:
+            return shift_labels
+        return nn.functional.pad(labels[:, 1:], (0, 1), value=-100)
 
     @can_return_tuple
     def forward(
@@ -209,24 +302,24 @@ class VanillaTransformerForCausalLM(VanillaTransformerPreTrainedModel, Generatio
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
+        output_router_logits: bool | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> CausalLMOutputWithPast | MoeCausalLMOutput:
         r"""
         labels (`torch.LongTensor` of shape `(batch_size, length)`, *optional*):
-            Usually `input_ids`; they are shifted inside the loss, -100 where ignored.
+            Usually `input_ids`; they are shifted inside the head, -100 where ignored. Labels already aligned with
+            the outputs may come as `shift_labels` instead (transformers' keyword; not a named argument, so that the
+            Trainer does not take it for a label column it requires).
 
         With experts the output is a `MoeCausalLMOutput` (Mixtral's, plus `z_loss`); the weighted router losses are
         already in the gradient of any loss built from `logits` (see `attach_router_loss`).
         """
-        with_router_losses, return_router_logits = request_router_logits(self.config, labels, kwargs)
-        counted = scored = packing_mask = None
-        if labels is not None:
-            shift_labels = kwargs.get("shift_labels")
-            if shift_labels is None:  # position t predicts token t + 1
-                shift_labels = nn.functional.pad(labels[:, 1:], (0, 1), value=-100)
-            counted = shift_labels != -100
-            scored = scored_positions(self, counted, logits_to_keep)
-            packing_mask = positions_the_loss_needs(counted, attention_mask)
+        plan = self.plan(
+            self.next_token_targets(labels, kwargs.get("shift_labels")),
+            attention_mask,
+            logits_to_keep,
+            output_router_logits,
+        )
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -234,22 +327,17 @@ class VanillaTransformerForCausalLM(VanillaTransformerPreTrainedModel, Generatio
             past_key_values=past_key_values,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
-            packing_mask=packing_mask,
+            token_mask=plan.token_mask,
+            output_router_logits=plan.router.compute or plan.router.return_logits,
             **kwargs,
         )
-        logits = lm_logits(self.lm_head, outputs.last_hidden_state, logits_to_keep, scored)
-        if scored is not None:  # the loss over the counted labels, as packed as their logits
-            kwargs["shift_labels"] = labels = scored.pack(shift_labels)
-        router_mask = routed_tokens(packing_mask, attention_mask)
-        router_stacks = dict(decoder=(outputs.router_logits, router_mask)) if with_router_losses else None
-        logits, router = route_router_loss_through_logits(self.config, logits, router_stacks)
-        loss = None
-        if labels is not None:
-            loss = self.loss_function(logits, labels, vocab_size=self.config.vocab_size, **kwargs)
-        loss = add_reported_router_loss(loss, router)
+        token_mask = plan.routed_positions(attention_mask, outputs.last_hidden_state.shape[1])
+        padding_mask = token_mask_of(attention_mask)
+        router_losses = plan.router.losses(self.config, decoder=(outputs.router_logits, token_mask, padding_mask))
+        loss, logits = self.predict(plan, outputs.last_hidden_state, logits_to_keep, router_losses, **kwargs)
         fields = dict(
             loss=loss,
-            logits=logits if scored is None else scored.unpack(logits),
+            logits=logits,
             past_key_values=outputs.past_key_values,
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
@@ -258,8 +346,8 @@ class VanillaTransformerForCausalLM(VanillaTransformerPreTrainedModel, Generatio
             return CausalLMOutputWithPast(**fields)
         return MoeCausalLMOutput(
             **fields,
-            **(router.output_fields("{kind}_loss") if router is not None else {}),
-            router_logits=outputs.router_logits if return_router_logits else None,
+            **(router_losses.output_fields("{kind}_loss") if plan.router.report else {}),
+            router_logits=plan.router.returned(outputs.router_logits, token_mask),
         )
 
 
@@ -283,9 +371,10 @@ class VanillaTransformerForSequenceClassification(VanillaTransformerPreTrainedMo
         """Mean over non-padding tokens (`classifier_pooling="mean"`) or the first token's vector (`"first"`)."""
         if self.config.classifier_pooling == "first":
             return hidden_states[:, 0]
-        if attention_mask is None or attention_mask.dim() != 2:
+        token_mask = token_mask_of(attention_mask)
+        if token_mask is None:
             return hidden_states.mean(dim=1)
-        weights = attention_mask.to(hidden_states.dtype).unsqueeze(-1)
+        weights = token_mask.to(hidden_states.dtype).unsqueeze(-1)
         return (hidden_states * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1.0)
 
     @can_return_tuple
@@ -295,17 +384,27 @@ class VanillaTransformerForSequenceClassification(VanillaTransformerPreTrainedMo
         attention_mask: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
+        output_router_logits: bool | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> SequenceClassifierOutput:
-        with_router_losses, _ = request_router_logits(self.config, labels, kwargs)
-        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds, **kwargs)
+        router = RouterRequest.of(self.config, labels, output_router_logits)
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            inputs_embeds=inputs_embeds,
+            output_router_logits=router.compute,
+            **kwargs,
+        )
         logits = self.classifier(self.dropout(self.pool(outputs.last_hidden_state, attention_mask)))
-        router_stacks = dict(encoder=(outputs.router_logits, attention_mask)) if with_router_losses else None
-        logits, router = route_router_loss_through_logits(self.config, logits, router_stacks)
+        padding_mask = token_mask_of(attention_mask)
+        router_losses = router.losses(self.config, encoder=(outputs.router_logits, padding_mask, padding_mask))
+        if router_losses is not None:
+            logits = attach_router_loss(logits, router_losses.total)
         loss = None
         if labels is not None:
             loss = self.loss_function(labels=labels, pooled_logits=logits, config=self.config, **kwargs)
-        loss = add_reported_router_loss(loss, router)
+            if router_losses is not None:
+                loss = loss + router_losses.total.detach()
         return SequenceClassifierOutput(
             loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
         )

@@ -1,7 +1,9 @@
 """The Transformer of "Attention Is All You Need" (Vaswani et al., 2017) as a transformers 5.x model, with its variants.
 
 Section numbers in comments refer to the paper. Attention goes through transformers' attention interface (eager, sdpa,
-flash, flex); masks come from `transformers.masking_utils`; the decoder cache is an `EncoderDecoderCache`.
+flash, flex); masks come from `transformers.masking_utils`; the decoder cache is an `EncoderDecoderCache`. A stack
+packs the hidden states of its tokens once, on entry, when its batch is padded (packing_vanilla_transformer): the
+layers below then see (tokens, d_model) and only attention scatters back to (batch, length).
 """
 
 from collections.abc import Callable
@@ -30,7 +32,6 @@ from .moe_vanilla_transformer import (
     MoeEncoderOutput,
     VanillaTransformerRouter,
     VanillaTransformerSparseMoeBlock,
-    feed_forward_sublayer,
     gated_activation,
     init_moe_weights,
 )
@@ -41,16 +42,18 @@ from .norms_vanilla_transformer import (
     has_final_norm,
     set_deepnorm_init_gains,
 )
-from .packing_vanilla_transformer import PackedTokens
+from .packing_vanilla_transformer import PackedTokens, token_mask_of
 from .positions_vanilla_transformer import POSITION_EMBEDDINGS
 
 Stack = Literal["encoder", "decoder"]
 
 
-def check_padding_mask(mask: torch.Tensor | None, expected_shape: tuple[int, int], name: str) -> None:
-    """A 2D padding mask must be (batch, keys); 4D masks are taken as already built."""
-    if mask is not None and mask.dim() == 2 and tuple(mask.shape) != tuple(expected_shape):
+def checked_token_mask(mask: torch.Tensor | None, expected_shape: tuple[int, ...], name: str) -> torch.Tensor | None:
+    """`token_mask_of(mask)`, after checking that a 2D mask is (batch, length)."""
+    token_mask = token_mask_of(mask)
+    if token_mask is not None and tuple(token_mask.shape) != tuple(expected_shape):
         raise ValueError(f"{name} has shape {tuple(mask.shape)}, expected (batch, length) = {tuple(expected_shape)}.")
+    return token_mask
 
 
 class ScaledWordEmbedding(nn.Embedding):
@@ -73,13 +76,27 @@ class ScaledWordEmbedding(nn.Embedding):
 
 
 class VanillaTransformerAttention(nn.Module):
-    """Multi-head scaled dot-product attention (§3.2), with grouped K/V heads when `num_key_value_heads` is set."""
+    """Multi-head scaled dot-product attention (§3.2), with grouped K/V heads when `num_key_value_heads` is set.
 
-    def __init__(self, config: VanillaTransformerConfig, num_heads: int, is_causal: bool, layer_idx: int | None = None):
+    Self-attention reads keys and values from its own input; cross-attention (`is_cross_attention`) from
+    `key_value_states`, the encoder output (§3.2.3). Packed inputs, (tokens, d_model), are scattered back to
+    (batch, length) after their projections, for the score matrix only.
+    """
+
+    def __init__(
+        self,
+        config: VanillaTransformerConfig,
+        num_heads: int,
+        *,
+        is_causal: bool,
+        is_cross_attention: bool = False,
+        layer_idx: int | None = None,
+    ):
         super().__init__()
         self.config = config
         self.layer_idx = layer_idx
         self.is_causal = is_causal  # read by the sdpa/flash integrations; False for encoder and cross-attention
+        self.is_cross_attention = is_cross_attention
         self.head_dim = config.d_model // num_heads
         num_key_value_heads = config.num_key_value_heads or num_heads
         self.num_key_value_groups = num_heads // num_key_value_heads
@@ -90,11 +107,10 @@ class VanillaTransformerAttention(nn.Module):
         self.v_proj = nn.Linear(config.d_model, num_key_value_heads * self.head_dim, bias=config.use_bias)
         self.out_proj = nn.Linear(num_heads * self.head_dim, config.d_model, bias=config.use_bias)
 
-    def _project(self, projection: nn.Linear, states: torch.Tensor, packing: PackedTokens | None) -> torch.Tensor:
-        """(batch, heads, length, head_dim) projections; packed states are scattered back for the score matrix."""
-        projected = projection(states)
-        if packing is not None:
-            projected = packing.unpack(projected)
+    def _split_heads(self, projected: torch.Tensor, packed_tokens: PackedTokens | None) -> torch.Tensor:
+        """(batch, heads, length, head_dim); packed projections (tokens, ·) are scattered to (batch, length, ·)."""
+        if projected.dim() == 2:
+            projected = packed_tokens.unpack(projected)
         return projected.view(*projected.shape[:-1], -1, self.head_dim).transpose(1, 2)
 
     def forward(
@@ -104,33 +120,36 @@ class VanillaTransformerAttention(nn.Module):
         key_value_states: torch.Tensor | None = None,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         past_key_values: Cache | None = None,
-        packing: PackedTokens | None = None,
-        key_packing: PackedTokens | None = None,
+        packed_tokens: PackedTokens | None = None,
+        encoder_packed_tokens: PackedTokens | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`packing`: hidden_states holds only the real tokens (packing_vanilla_transformer); `key_packing`: the same
-        for `key_value_states` (cross-attention)."""
-        is_cross_attention = key_value_states is not None
-        query = self._project(self.q_proj, hidden_states, packing)
+        """`packed_tokens`: the layout of packed `hidden_states`; `encoder_packed_tokens`: that of packed
+        `key_value_states` (cross-attention)."""
+        query = self._split_heads(self.q_proj(hidden_states), packed_tokens)
 
         cache, cross_cached = past_key_values, False
         if isinstance(past_key_values, EncoderDecoderCache):
-            cross_cached = is_cross_attention and past_key_values.is_updated.get(self.layer_idx, False)
+            cross_cached = self.is_cross_attention and past_key_values.is_updated.get(self.layer_idx, False)
             cache = (
-                past_key_values.cross_attention_cache if is_cross_attention else past_key_values.self_attention_cache
+                past_key_values.cross_attention_cache
+                if self.is_cross_attention
+                else past_key_values.self_attention_cache
             )
 
         if cross_cached:  # the encoder output does not change while decoding: its K/V are projected once
             key, value = cache.layers[self.layer_idx].keys, cache.layers[self.layer_idx].values
         else:
-            source, source_packing = (key_value_states, key_packing) if is_cross_attention else (hidden_states, packing)
-            key = self._project(self.k_proj, source, source_packing)
-            value = self._project(self.v_proj, source, source_packing)
+            source, source_tokens = (
+                (key_value_states, encoder_packed_tokens) if self.is_cross_attention else (hidden_states, packed_tokens)
+            )
+            key = self._split_heads(self.k_proj(source), source_tokens)
+            value = self._split_heads(self.v_proj(source), source_tokens)
             if position_embeddings is not None:  # RoPE: rotate before caching, so cached keys keep their positions
                 query, key = apply_rotary_pos_emb(query, key, *position_embeddings)
             if cache is not None:
                 key, value = cache.update(key, value, self.layer_idx)
-                if is_cross_attention:
+                if self.is_cross_attention:
                     past_key_values.is_updated[self.layer_idx] = True
 
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
@@ -147,12 +166,12 @@ class VanillaTransformerAttention(nn.Module):
             **kwargs,
         )
         attn_output = attn_output.reshape(*attn_output.shape[:2], -1)
-        attn_output = attn_output.contiguous() if packing is None else packing.pack(attn_output)
+        attn_output = packed_tokens.pack(attn_output) if hidden_states.dim() == 2 else attn_output.contiguous()
         return self.out_proj(attn_output), attn_weights
 
 
 @use_experts_implementation(experts_interface=EXPERTS_FUNCTIONS)
-class VanillaTransformerExperts(nn.Module):
+class ExpertBank(nn.Module):
     """`num_experts` FFNs of `config.ffn_type` (§3.3 or a GLU variant) stored as 3D tensors in Mixtral's layout, so
     transformers' `grouped_mm`/`batched_mm` kernels run them: gated types fuse [gate; up] in `gate_up_proj`
     (E, 2I, H), ungated ones have `up_proj` (E, I, H); `down_proj` is (E, H, I); `*_bias` when `config.use_bias`."""
@@ -161,20 +180,24 @@ class VanillaTransformerExperts(nn.Module):
         super().__init__()
         gated = config.ffn_type in GATED_FFN_TYPES
         hidden = config.gated_hidden_size(ffn_dim) if gated else ffn_dim
-        up_name, up_rows = ("gate_up_proj", 2 * hidden) if gated else ("up_proj", hidden)
         self.num_experts = num_experts
-        self.register_parameter(up_name, nn.Parameter(torch.empty(num_experts, up_rows, config.d_model)))
+        if gated:
+            self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * hidden, config.d_model))
+        else:
+            self.up_proj = nn.Parameter(torch.empty(num_experts, hidden, config.d_model))
         self.down_proj = nn.Parameter(torch.empty(num_experts, config.d_model, hidden))
         if config.use_bias:
-            self.register_parameter(f"{up_name}_bias", nn.Parameter(torch.empty(num_experts, up_rows)))
+            if gated:
+                self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * hidden))
+            else:
+                self.up_proj_bias = nn.Parameter(torch.empty(num_experts, hidden))
             self.down_proj_bias = nn.Parameter(torch.empty(num_experts, config.d_model))
         self.activation = ffn_activation(config)
         self.activation_dropout = nn.Dropout(config.activation_dropout)
 
-    # The decorator fixes `has_gate`/`has_bias` per class and assigns them at init; here they depend on the config,
-    # so they are read off the parameters that exist and the decorator's assignment is ignored.
-    has_gate = property(lambda self: "gate_up_proj" in self._parameters, lambda self, value: None)
-    has_bias = property(lambda self: "down_proj_bias" in self._parameters, lambda self, value: None)
+    @property
+    def up_projection_name(self) -> str:
+        return "gate_up_proj" if self.has_gate else "up_proj"
 
     def act_fn(self, up: torch.Tensor) -> torch.Tensor:
         """Hidden activation of an ungated expert (the kernels call it by this name)."""
@@ -189,7 +212,7 @@ class VanillaTransformerExperts(nn.Module):
     ) -> torch.Tensor:
         """The eager path, one expert at a time: hidden_states (T, H), top_k_index and top_k_weights (T, k) -> (T, H),
         each token's sum over its choices of weight * FFN_expert(x)."""
-        up_name = "gate_up_proj" if self.has_gate else "up_proj"
+        up_name = self.up_projection_name
         output = torch.zeros_like(hidden_states)
         for expert in top_k_index.unique().tolist():
             token, choice = torch.where(top_k_index == expert)
@@ -203,15 +226,26 @@ class VanillaTransformerExperts(nn.Module):
         return getattr(self, f"{projection}_bias")[expert] if self.has_bias else None
 
 
+class VanillaTransformerExperts(ExpertBank):
+    """The expert bank of one MoE layer. transformers' decorator fixes `has_gate`/`has_bias` per class, after
+    `__init__`; here they follow the config, so they are set once the decorated `__init__` has run."""
+
+    def __init__(self, config: VanillaTransformerConfig, num_experts: int, ffn_dim: int):
+        super().__init__(config, num_experts, ffn_dim)
+        self.has_gate = config.ffn_type in GATED_FFN_TYPES
+        self.has_bias = config.use_bias
+
+
 def build_mlp(config: VanillaTransformerConfig, stack: Stack, layer_idx: int) -> nn.Module:
     """The position-wise FFN of one layer (§3.3), or a Mixture of Experts in the layers `config.is_moe_layer` picks."""
     ffn_dim = config.encoder_ffn_dim if stack == "encoder" else config.decoder_ffn_dim
     if config.is_moe_layer(stack, layer_idx):
-        return VanillaTransformerSparseMoeBlock(config, stack, ffn_dim, VanillaTransformerExperts)
+        return VanillaTransformerSparseMoeBlock(config, ffn_dim, VanillaTransformerExperts)
     return build_feed_forward(config, ffn_dim)
 
 
 def residual_scale(config: VanillaTransformerConfig, stack: Stack) -> float:
+    """DeepNet's alpha for the residual branch of every sub-layer of `stack` (1 for the other placements)."""
     return deepnorm_constants(config, stack)[0] if config.norm_position == "deepnorm" else 1.0
 
 
@@ -221,7 +255,8 @@ class VanillaTransformerEncoderLayer(GradientCheckpointingLayer):
     def __init__(self, config: VanillaTransformerConfig, layer_idx: int):
         super().__init__()
         alpha = residual_scale(config, "encoder")
-        self.self_attn = VanillaTransformerAttention(config, config.encoder_attention_heads, False, layer_idx)
+        heads = config.encoder_attention_heads
+        self.self_attn = VanillaTransformerAttention(config, heads, is_causal=False, layer_idx=layer_idx)
         self.self_attn_connection = SublayerConnection(config, alpha)
         self.mlp = build_mlp(config, "encoder", layer_idx)
         self.mlp_connection = SublayerConnection(config, alpha)
@@ -232,17 +267,20 @@ class VanillaTransformerEncoderLayer(GradientCheckpointingLayer):
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        padding_mask: torch.Tensor | None = None,
-        packing: PackedTokens | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> torch.Tensor:
-        def self_attention(x):
-            return self.self_attn(
-                x, attention_mask, position_embeddings=position_embeddings, packing=packing, **kwargs
-            )[0]
+        # Self-attention over the whole source (§3.2.3).
+        residual = hidden_states
+        hidden_states = self.self_attn_connection.sublayer_input(hidden_states)
+        hidden_states, _ = self.self_attn(
+            hidden_states, attention_mask, position_embeddings=position_embeddings, **kwargs
+        )
+        hidden_states = self.self_attn_connection.add_residual(residual, hidden_states)
 
-        hidden_states = self.self_attn_connection(hidden_states, self_attention)
-        return self.mlp_connection(hidden_states, feed_forward_sublayer(self.mlp, padding_mask, packing))
+        # Position-wise feed-forward network, or Mixture of Experts (§3.3).
+        residual = hidden_states
+        hidden_states = self.mlp(self.mlp_connection.sublayer_input(hidden_states), **kwargs)
+        return self.mlp_connection.add_residual(residual, hidden_states)
 
 
 class VanillaTransformerDecoderLayer(GradientCheckpointingLayer):
@@ -251,10 +289,13 @@ class VanillaTransformerDecoderLayer(GradientCheckpointingLayer):
     def __init__(self, config: VanillaTransformerConfig, layer_idx: int):
         super().__init__()
         alpha = residual_scale(config, "decoder")
-        self.self_attn = VanillaTransformerAttention(config, config.decoder_attention_heads, True, layer_idx)
+        heads = config.decoder_attention_heads
+        self.self_attn = VanillaTransformerAttention(config, heads, is_causal=True, layer_idx=layer_idx)
         self.self_attn_connection = SublayerConnection(config, alpha)
         if config.is_encoder_decoder:
-            self.encoder_attn = VanillaTransformerAttention(config, config.decoder_attention_heads, False, layer_idx)
+            self.encoder_attn = VanillaTransformerAttention(
+                config, heads, is_causal=False, is_cross_attention=True, layer_idx=layer_idx
+            )
             self.encoder_attn_connection = SublayerConnection(config, alpha)
         self.mlp = build_mlp(config, "decoder", layer_idx)
         self.mlp_connection = SublayerConnection(config, alpha)
@@ -268,36 +309,37 @@ class VanillaTransformerDecoderLayer(GradientCheckpointingLayer):
         encoder_attention_mask: torch.Tensor | None = None,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         past_key_values: Cache | None = None,
-        padding_mask: torch.Tensor | None = None,
-        packing: PackedTokens | None = None,
-        encoder_packing: PackedTokens | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> torch.Tensor:
-        def self_attention(x):
-            return self.self_attn(
-                x,
-                attention_mask,
-                position_embeddings=position_embeddings,
-                past_key_values=past_key_values,
-                packing=packing,
-                **kwargs,
-            )[0]
+        # Masked self-attention: position i sees positions <= i only (§3.2.3).
+        residual = hidden_states
+        hidden_states = self.self_attn_connection.sublayer_input(hidden_states)
+        hidden_states, _ = self.self_attn(
+            hidden_states,
+            attention_mask,
+            position_embeddings=position_embeddings,
+            past_key_values=past_key_values,
+            **kwargs,
+        )
+        hidden_states = self.self_attn_connection.add_residual(residual, hidden_states)
 
-        def cross_attention(x):
-            return self.encoder_attn(
-                x,
+        # Encoder-decoder attention: queries from the decoder, keys and values from the encoder output (§3.2.3).
+        if encoder_hidden_states is not None:
+            residual = hidden_states
+            hidden_states = self.encoder_attn_connection.sublayer_input(hidden_states)
+            hidden_states, _ = self.encoder_attn(
+                hidden_states,
                 encoder_attention_mask,
                 key_value_states=encoder_hidden_states,
                 past_key_values=past_key_values,
-                packing=packing,
-                key_packing=encoder_packing,
                 **kwargs,
-            )[0]
+            )
+            hidden_states = self.encoder_attn_connection.add_residual(residual, hidden_states)
 
-        hidden_states = self.self_attn_connection(hidden_states, self_attention)
-        if encoder_hidden_states is not None:
-            hidden_states = self.encoder_attn_connection(hidden_states, cross_attention)
-        return self.mlp_connection(hidden_states, feed_forward_sublayer(self.mlp, padding_mask, packing))
+        # Position-wise feed-forward network, or Mixture of Experts (§3.3).
+        residual = hidden_states
+        hidden_states = self.mlp(self.mlp_connection.sublayer_input(hidden_states), **kwargs)
+        return self.mlp_connection.add_residual(residual, hidden_states)
 
 
 class VanillaTransformerPreTrainedModel(PreTrainedModel):
@@ -325,7 +367,7 @@ class VanillaTransformerPreTrainedModel(PreTrainedModel):
                 init.xavier_normal_(module.weight, gain=deepnorm_gain)  # DeepNet (Wang et al. 2022), Figure 2
             if module.bias is not None:
                 init.zeros_(module.bias)
-        elif isinstance(module, VanillaTransformerExperts | VanillaTransformerRouter):
+        elif isinstance(module, ExpertBank | VanillaTransformerRouter):
             init_moe_weights(module, self.config)
         elif isinstance(module, nn.Embedding):
             # N(0, 1/d_model): after the sqrt(d_model) scaling of §3.4 token vectors have unit variance (fairseq).
@@ -339,7 +381,7 @@ class VanillaTransformerPreTrainedModel(PreTrainedModel):
 
     def _set_auto_map(self) -> None:
         """Every saved checkpoint names, in `auto_map`, all the Auto classes that can load it, not only its own
-        (transformers writes only the saved class's entry; hf-v5-plugin-notes §1.1)."""
+        (transformers writes only the saved class's entry)."""
         self.config.auto_map = {
             "AutoConfig": "configuration_vanilla_transformer.VanillaTransformerConfig",
             **self._auto_map,
@@ -348,13 +390,13 @@ class VanillaTransformerPreTrainedModel(PreTrainedModel):
     @classmethod
     def _can_set_experts_implementation(cls) -> bool:
         # transformers greps the module of `cls` for "@use_experts_implementation"; the task heads live in
-        # heads_vanilla_transformer.py, so the grep cannot see the experts class defined here (hf-v5 notes §5.1).
+        # heads_vanilla_transformer.py, so the grep cannot see the experts class defined here.
         return True
 
 
 class VanillaTransformerStack(VanillaTransformerPreTrainedModel):
     """What the encoder and decoder share (§3.1): scaled token embeddings, positions, dropout on their sum (§5.4), N
-    identical layers and, for the pre-norm placements, a final norm."""
+    identical layers and, for the pre-norm placements, a final norm; and the layout of their tokens."""
 
     def __init__(self, config: VanillaTransformerConfig, layer_class: type[nn.Module], num_layers: int, num_heads: int):
         super().__init__(config)
@@ -385,17 +427,21 @@ class VanillaTransformerStack(VanillaTransformerPreTrainedModel):
     def final_norm(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return hidden_states if self.layer_norm is None else self.layer_norm(hidden_states)
 
-    def packing(self, padding_mask: torch.Tensor | None, kwargs: dict) -> PackedTokens | None:
-        """The packing of the real tokens under `padding_mask` when the layers may skip the padding
-        (`config.padding_free`): not while compiling (data-dependent shapes), not when every layer's hidden states are
-        returned (they keep the padded shape)."""
-        if (
-            not self.config.padding_free
-            or kwargs.get("output_hidden_states", self.config.output_hidden_states)
-            or is_torchdynamo_compiling()
-        ):
-            return None
-        return PackedTokens.of(padding_mask)
+    @staticmethod
+    def token_layout(token_mask: torch.Tensor | None) -> PackedTokens | None:
+        """Where the tokens of `token_mask` are; None when there is no padding to skip, and under torch.compile,
+        which cannot trace the data-dependent token count."""
+        return None if is_torchdynamo_compiling() else PackedTokens.of(token_mask)
+
+    def packs_layers(self, packed_tokens: PackedTokens | None, kwargs: dict) -> bool:
+        """Whether the layers run on the packed tokens (`config.padding_free`); not when every layer's hidden states
+        are returned, since those keep the (batch, length) shape. MoE layers pack for their experts either way."""
+        output_hidden_states = kwargs.get("output_hidden_states", self.config.output_hidden_states)
+        return packed_tokens is not None and self.config.padding_free and not output_hidden_states
+
+    def unpacked(self, hidden_states: torch.Tensor, packed_tokens: PackedTokens | None) -> torch.Tensor:
+        """The stack's output in the (batch, length, d_model) layout its caller expects; 0 at the padding."""
+        return packed_tokens.unpack(hidden_states) if hidden_states.dim() == 2 else hidden_states
 
 
 class VanillaTransformerEncoder(VanillaTransformerStack):
@@ -419,24 +465,26 @@ class VanillaTransformerEncoder(VanillaTransformerStack):
         attention_mask: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
+        packed_tokens: PackedTokens | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> MoeEncoderOutput:
+        r"""
+        packed_tokens (`PackedTokens`, *optional*):
+            The layout of the source tokens, when the caller has built it from `attention_mask` already (the
+            encoder-decoder shares it with cross-attention); by default the encoder builds it.
+        """
         inputs_embeds, hidden_states, rotary = self.embed(input_ids, inputs_embeds, position_ids)
-        check_padding_mask(attention_mask, inputs_embeds.shape[:2], "attention_mask")
-
-        padding_mask = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
-        packing = self.packing(padding_mask, kwargs)
-        if packing is not None:
-            hidden_states = packing.pack(hidden_states)
+        token_mask = checked_token_mask(attention_mask, inputs_embeds.shape[:2], "attention_mask")
+        packed_tokens = packed_tokens or self.token_layout(token_mask)
+        if self.packs_layers(packed_tokens, kwargs):
+            hidden_states = packed_tokens.pack(hidden_states)
         attention_mask = create_bidirectional_mask(
             config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask
         )
         for layer in self.layers:
-            hidden_states = layer(
-                hidden_states, attention_mask, rotary, padding_mask=padding_mask, packing=packing, **kwargs
-            )
+            hidden_states = layer(hidden_states, attention_mask, rotary, packed_tokens=packed_tokens, **kwargs)
         hidden_states = self.final_norm(hidden_states)
-        return MoeEncoderOutput(last_hidden_state=hidden_states if packing is None else packing.unpack(hidden_states))
+        return MoeEncoderOutput(last_hidden_state=self.unpacked(hidden_states, packed_tokens))
 
 
 class VanillaTransformerDecoder(VanillaTransformerStack):
@@ -453,6 +501,11 @@ class VanillaTransformerDecoder(VanillaTransformerStack):
         super().__init__(config, VanillaTransformerDecoderLayer, config.decoder_layers, config.decoder_attention_heads)
         self.post_init()
 
+    def new_cache(self) -> Cache:
+        if not self.config.is_encoder_decoder:
+            return DynamicCache(config=self.config)
+        return EncoderDecoderCache(DynamicCache(config=self.config), DynamicCache(config=self.config))
+
     @merge_with_config_defaults
     @capture_outputs
     def forward(
@@ -465,61 +518,56 @@ class VanillaTransformerDecoder(VanillaTransformerStack):
         inputs_embeds: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
         use_cache: bool | None = None,
-        packing_mask: torch.Tensor | None = None,
+        token_mask: torch.Tensor | None = None,
+        encoder_packed_tokens: PackedTokens | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> MoeDecoderOutput:
         r"""
-        packing_mask (`torch.Tensor` of shape `(batch_size, length)`, *optional*):
-            The positions whose outputs the caller needs (default: the tokens of `attention_mask`); with
-            `config.padding_free` the layers compute only those. A head with labels widens it to every position its
-            loss reads (`positions_the_loss_needs`).
+        token_mask (`torch.Tensor` of shape `(batch_size, length)`, *optional*):
+            The positions whose outputs the caller needs (default: the tokens of `attention_mask`); a head with
+            labels narrows it to the positions its loss reads (`positions_the_loss_needs`).
+        encoder_packed_tokens (`PackedTokens`, *optional*):
+            The layout of the source tokens, when the caller has it already; by default it is built from
+            `encoder_attention_mask` while the cross-attention keys and values are not cached.
         """
         if use_cache and past_key_values is None:
-            past_key_values = (
-                EncoderDecoderCache(DynamicCache(config=self.config), DynamicCache(config=self.config))
-                if self.config.is_encoder_decoder
-                else DynamicCache(config=self.config)
-            )
+            past_key_values = self.new_cache()
         past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
         inputs_embeds, hidden_states, rotary = self.embed(input_ids, inputs_embeds, position_ids, past_length)
         batch_size, length = inputs_embeds.shape[:2]
-        check_padding_mask(attention_mask, (batch_size, past_length + length), "decoder_attention_mask")
-        if encoder_hidden_states is not None:
-            check_padding_mask(encoder_attention_mask, encoder_hidden_states.shape[:2], "attention_mask (source)")
-
-        # The tokens this step computes (MoE capacity counts only them): the caller's packing mask, else the mask
-        # columns of this step's tokens (the mask also covers the cache).
-        has_padding_mask = attention_mask is not None and attention_mask.dim() == 2
-        padding_mask = attention_mask[:, past_length:] if has_padding_mask else None
-        if packing_mask is not None:
-            padding_mask = packing_mask
+        padding_mask = checked_token_mask(attention_mask, (batch_size, past_length + length), "decoder_attention_mask")
+        if token_mask is None and padding_mask is not None:  # the mask also covers the cache: this step's columns
+            token_mask = padding_mask[:, past_length:]
+        packed_tokens = self.token_layout(token_mask)
+        if self.packs_layers(packed_tokens, kwargs):
+            hidden_states = packed_tokens.pack(hidden_states)
         self_attention_cache = (
             past_key_values.self_attention_cache
             if isinstance(past_key_values, EncoderDecoderCache)
             else past_key_values
         )
+        # position_ids let transformers find packed sequences (restarting at 0) and keep each one to itself.
         attention_mask = create_causal_mask(
             config=self.config,
             inputs_embeds=inputs_embeds,
             attention_mask=attention_mask,
             past_key_values=self_attention_cache,
+            position_ids=position_ids,
         )
-        packing = self.packing(padding_mask, kwargs)
-        if packing is not None:
-            hidden_states = packing.pack(hidden_states)
-        encoder_packing = None
         if encoder_hidden_states is not None:
+            source_mask = checked_token_mask(encoder_attention_mask, encoder_hidden_states.shape[:2], "attention_mask")
             # Once cached, the cross-attention keys and values need no encoder states: nothing to pack per step.
             cross_cached = isinstance(past_key_values, EncoderDecoderCache) and any(past_key_values.is_updated.values())
-            encoder_packing = None if cross_cached else self.packing(encoder_attention_mask, kwargs)
+            if encoder_packed_tokens is None and not cross_cached:
+                encoder_packed_tokens = self.token_layout(source_mask)
             encoder_attention_mask = create_bidirectional_mask(
                 config=self.config,
                 inputs_embeds=inputs_embeds,
                 attention_mask=encoder_attention_mask,
                 encoder_hidden_states=encoder_hidden_states,
             )
-            if encoder_packing is not None:  # cross-attention keys and values of the real source tokens only
-                encoder_hidden_states = encoder_packing.pack(encoder_hidden_states)
+            if self.packs_layers(encoder_packed_tokens, kwargs) and not cross_cached:
+                encoder_hidden_states = encoder_packed_tokens.pack(encoder_hidden_states)
         for layer in self.layers:
             hidden_states = layer(
                 hidden_states,
@@ -528,15 +576,14 @@ class VanillaTransformerDecoder(VanillaTransformerStack):
                 encoder_attention_mask=encoder_attention_mask,
                 position_embeddings=rotary,
                 past_key_values=past_key_values,
-                padding_mask=padding_mask,
-                packing=packing,
-                encoder_packing=encoder_packing,
+                packed_tokens=packed_tokens,
+                encoder_packed_tokens=encoder_packed_tokens,
                 **kwargs,
             )
         hidden_states = self.final_norm(hidden_states)
-        if packing is not None:
-            hidden_states = packing.unpack(hidden_states)
-        return MoeDecoderOutput(last_hidden_state=hidden_states, past_key_values=past_key_values)
+        return MoeDecoderOutput(
+            last_hidden_state=self.unpacked(hidden_states, packed_tokens), past_key_values=past_key_values
+        )
 
 
 SEQ2SEQ_AUTO_MAP = {
@@ -593,16 +640,22 @@ class VanillaTransformerModel(VanillaTransformerPreTrainedModel):
         inputs_embeds: torch.Tensor | None = None,
         decoder_inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
-        decoder_packing_mask: torch.Tensor | None = None,
+        decoder_token_mask: torch.Tensor | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> Seq2SeqModelOutput | Seq2SeqMoEModelOutput:
         r"""
-        decoder_packing_mask (`torch.Tensor` of shape `(batch_size, target_length)`, *optional*):
-            The decoder's `packing_mask`: the target positions whose outputs are needed.
+        decoder_token_mask (`torch.Tensor` of shape `(batch_size, target_length)`, *optional*):
+            The decoder's `token_mask`: the target positions whose outputs are needed.
         """
+        source_tokens = None  # the layout of the source tokens, built once for the encoder and cross-attention
         if encoder_outputs is None:
+            source_tokens = self.encoder.token_layout(attention_mask)  # the encoder checks the mask's shape
             encoder_outputs = self.encoder(
-                input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds, **kwargs
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                inputs_embeds=inputs_embeds,
+                packed_tokens=source_tokens,
+                **kwargs,
             )
         elif not isinstance(encoder_outputs, BaseModelOutput):
             encoder_outputs = BaseModelOutput(*encoder_outputs)
@@ -614,7 +667,8 @@ class VanillaTransformerModel(VanillaTransformerPreTrainedModel):
             past_key_values=past_key_values,
             inputs_embeds=decoder_inputs_embeds,
             use_cache=use_cache,
-            packing_mask=decoder_packing_mask,
+            token_mask=decoder_token_mask,
+            encoder_packed_tokens=source_tokens,
             **kwargs,
         )
         outputs = dict(

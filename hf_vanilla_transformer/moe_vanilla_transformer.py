@@ -27,7 +27,6 @@ from transformers.modeling_outputs import (
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
 from .configuration_vanilla_transformer import VanillaTransformerConfig
-from .norms_vanilla_transformer import deepnorm_constants
 from .packing_vanilla_transformer import PackedTokens
 
 
@@ -42,12 +41,8 @@ class VanillaTransformerRouter(nn.Module):
         self.jitter_noise = config.router_jitter_noise
         self.weight = nn.Parameter(torch.empty(config.num_experts, config.d_model))
 
-    def forward(
-        self, hidden_states: torch.Tensor, packing: PackedTokens | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """hidden_states (T, H) -> router logits (T, E) fp32, top-k weights (T, k) fp32, top-k expert ids (T, k).
-        Packed hidden states (`packing`) get their logits back in the padded (batch * length, E) layout, 0 at the
-        padding, so the balancing statistics (`router_logits` outputs) read the same rows as without packing."""
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """hidden_states (T, H) -> router logits (T, E) fp32, top-k weights (T, k) fp32, top-k expert ids (T, k)."""
         hidden_states = hidden_states.float()
         if self.training and self.jitter_noise > 0:
             # Multiplicative jitter on the router input only (Switch Transformer §2.4): explores routings in
@@ -58,8 +53,6 @@ class VanillaTransformerRouter(nn.Module):
         top_k_weights, top_k_index = torch.topk(router_logits.softmax(dim=-1), self.top_k, dim=-1)
         if self.norm_topk_prob:  # Mixtral: the k chosen weights sum to one
             top_k_weights = top_k_weights / top_k_weights.sum(dim=-1, keepdim=True)
-        if packing is not None:
-            router_logits = packing.unpack(router_logits).flatten(0, 1)
         return router_logits, top_k_weights, top_k_index
 
 
@@ -68,22 +61,17 @@ def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_fact
     return math.ceil(capacity_factor * num_tokens * top_k / num_experts)
 
 
-def within_capacity(
-    top_k_index: torch.Tensor, num_experts: int, capacity: int, token_mask: torch.Tensor | None = None
-) -> torch.Tensor:
+def within_capacity(top_k_index: torch.Tensor, num_experts: int, capacity: int) -> torch.Tensor:
     """Which (token, choice) assignments an expert still has room for: (T, k) bool.
 
     Assignments are served first choices first, then second choices, each in token order (GShard §2.2), so a token
-    loses its k-th expert before any other token loses its first. Padding (`token_mask` False) takes no room.
+    loses its k-th expert before any other token loses its first.
     """
     top_k = top_k_index.shape[1]
     by_rank = top_k_index.t().reshape(-1)  # (k*T,): every first choice, then every second choice, ...
     one_hot = F.one_hot(by_rank, num_experts)
-    if token_mask is not None:
-        one_hot = one_hot * token_mask.repeat(top_k).unsqueeze(-1)
-    position_in_expert = (one_hot.cumsum(dim=0) * one_hot).sum(dim=-1)  # 1-based; 0 for padding
-    keep = (position_in_expert >= 1) & (position_in_expert <= capacity)
-    return keep.view(top_k, -1).t()
+    position_in_expert = (one_hot.cumsum(dim=0) * one_hot).sum(dim=-1)  # 1-based
+    return (position_in_expert <= capacity).view(top_k, -1).t()
 
 
 # ---------------------------------------------------------------------------------------------------- experts
@@ -187,11 +175,12 @@ class VanillaTransformerSparseMoeBlock(nn.Module):
     """The FFN sub-layer as a Mixture of Experts: `gate` (router), `experts`, and optional `shared_experts`.
 
     Parameter names follow Mixtral (`mlp.gate.weight`, `mlp.experts.gate_up_proj`, `mlp.experts.down_proj`).
-    With `expert_capacity_factor` set, `dropped_tokens` holds the number of (token, expert) assignments the last
-    forward dropped for lack of room.
+    Routing, capacity and the router statistics concern tokens only: the padded hidden states of a batch whose
+    `packed_tokens` are known are packed for the experts and unpacked after them. With `expert_capacity_factor` set,
+    `dropped_tokens` holds the number of (token, expert) assignments the last forward dropped for lack of room.
     """
 
-    def __init__(self, config: VanillaTransformerConfig, stack: str, ffn_dim: int, experts_class: type[nn.Module]):
+    def __init__(self, config: VanillaTransformerConfig, ffn_dim: int, experts_class: type[nn.Module]):
         super().__init__()
         self.num_experts = config.num_experts
         self.top_k = config.num_experts_per_tok
@@ -203,54 +192,34 @@ class VanillaTransformerSparseMoeBlock(nn.Module):
             experts_class(config, config.num_shared_experts, ffn_dim) if config.num_shared_experts else None
         )
         self.dropped_tokens = None
-        if config.norm_position == "deepnorm":  # DeepNet init gain beta for the FFN weights, as for dense layers
-            for experts in (self.experts, self.shared_experts):
-                if experts is not None:
-                    experts.deepnorm_gain = deepnorm_constants(config, stack)[1]
 
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        padding_mask: torch.Tensor | None = None,
-        packing: PackedTokens | None = None,
-    ) -> torch.Tensor:
-        """hidden_states (B, S, H), padding_mask (B, S) with 0 on padding -> (B, S, H); or the packed real tokens
-        (N, H) with their `packing` -> (N, H), every row a token."""
-        flat = hidden_states.reshape(-1, hidden_states.shape[-1])
-        _, top_k_weights, top_k_index = self.gate(flat, packing)
+    def forward(self, hidden_states: torch.Tensor, packed_tokens: PackedTokens | None = None, **kwargs) -> torch.Tensor:
+        """(tokens, H) packed hidden states, or (batch, length, H) -> the same shape. `packed_tokens` says which
+        padded rows are tokens; the rest of the layer's keyword arguments concern attention only."""
+        if packed_tokens is not None and hidden_states.dim() == 3:
+            return packed_tokens.unpack(self(packed_tokens.pack(hidden_states)))
+        tokens = hidden_states.reshape(-1, hidden_states.shape[-1])
+        _, top_k_weights, top_k_index = self.gate(tokens)
         if self.capacity_factor is None:
-            output = self.experts(flat, top_k_index, top_k_weights)
+            output = self.experts(tokens, top_k_index, top_k_weights)
         else:
-            token_mask = padding_mask.reshape(-1).bool() if padding_mask is not None else None
-            output = self._experts_within_capacity(flat, top_k_index, top_k_weights, token_mask)
+            output = self._experts_within_capacity(tokens, top_k_index, top_k_weights)
         if self.shared_experts is not None:
-            everyone = torch.arange(self.shared_experts.num_experts, device=flat.device).expand(flat.shape[0], -1)
-            output = output + self.shared_experts(flat, everyone, torch.ones(everyone.shape, device=flat.device))
+            everyone = torch.arange(self.shared_experts.num_experts, device=tokens.device).expand(tokens.shape[0], -1)
+            output = output + self.shared_experts(tokens, everyone, torch.ones(everyone.shape, device=tokens.device))
         return output.view_as(hidden_states)
 
     def _experts_within_capacity(
-        self,
-        flat: torch.Tensor,
-        top_k_index: torch.Tensor,
-        top_k_weights: torch.Tensor,
-        token_mask: torch.Tensor | None,
+        self, tokens: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
-        """Run only the kept assignments, one row each, and sum them back per token; dropped ones contribute 0."""
-        num_tokens = flat.shape[0] if token_mask is None else int(token_mask.sum())
-        capacity = expert_capacity(num_tokens, self.top_k, self.num_experts, self.capacity_factor)
-        keep = within_capacity(top_k_index, self.num_experts, capacity, token_mask)
-        self.dropped_tokens = num_tokens * self.top_k - int(keep.sum())
+        """Run only the kept assignments, one row each, and sum them back per token; dropped ones contribute 0, so
+        a token that lost every expert keeps only its residual."""
+        capacity = expert_capacity(tokens.shape[0], self.top_k, self.num_experts, self.capacity_factor)
+        keep = within_capacity(top_k_index, self.num_experts, capacity)
+        self.dropped_tokens = keep.numel() - int(keep.sum())
         token, choice = keep.nonzero(as_tuple=True)
-        kept = self.experts(flat[token], top_k_index[token, choice, None], top_k_weights[token, choice, None])
-        return torch.zeros_like(flat).index_add_(0, token, kept)
-
-
-def feed_forward_sublayer(mlp: nn.Module, padding_mask: torch.Tensor | None, packing: PackedTokens | None = None):
-    """The layer's FFN as a function of the hidden states; a MoE block also needs the padding mask (capacity), or
-    the packing of hidden states that hold the real tokens only."""
-    if isinstance(mlp, VanillaTransformerSparseMoeBlock):
-        return lambda hidden_states: mlp(hidden_states, None if packing is not None else padding_mask, packing)
-    return mlp
+        kept = self.experts(tokens[token], top_k_index[token, choice, None], top_k_weights[token, choice, None])
+        return torch.zeros_like(tokens).index_add_(0, token, kept)
 
 
 @torch.no_grad()
@@ -285,17 +254,43 @@ def dropped_token_counts(model: nn.Module) -> dict[str, int]:
 # ---------------------------------------------------------------------------------------------------- losses
 
 
-def _rows_mask(padding_mask: torch.Tensor | None, layer_logits: torch.Tensor) -> torch.Tensor | None:
-    """The (B, S) token mask of the rows a layer routed; a decoder mask that also covers cached positions is cut to
-    its last S columns (the tokens of this step)."""
-    if padding_mask is None or padding_mask.dim() != 2:
+def counted_router_rows(
+    router_logits: tuple[torch.Tensor, ...] | None, routed: torch.Tensor | None, real: torch.Tensor | None
+) -> torch.Tensor | None:
+    """The mask of the rows of a stack's router logits that the balancing and z losses count: the positions the stack
+    routed (`routed`, None = all) that are real tokens (`real`, None = all), shaped to match those rows.
+
+    A stack that knows where its padding is routes only the `routed` positions, one row each (packed): their mask is
+    then one (1, rows) "sequence". Under torch.compile every position is routed, one row per position."""
+    counted = routed if real is None else real if routed is None else routed & real
+    if not router_logits or counted is None or router_logits[0].shape[0] == counted.numel():
+        return counted
+    return counted[routed].unsqueeze(0)
+
+
+def _token_rows(token_mask: torch.Tensor | None, layer_logits: torch.Tensor) -> torch.Tensor | None:
+    """`token_mask` when it has one entry per row of `layer_logits`, else None (every row counts)."""
+    if token_mask is None or layer_logits.shape[0] != token_mask.numel():
         return None
-    length = layer_logits.shape[0] // padding_mask.shape[0]
-    return padding_mask[:, padding_mask.shape[1] - length :]
+    return token_mask
+
+
+def router_logits_per_position(
+    router_logits: tuple[torch.Tensor, ...] | None, routed: torch.Tensor | None
+) -> tuple[torch.Tensor, ...] | None:
+    """Router logits as returned to the user: (batch * length, E) per layer, Mixtral's layout, 0 at the positions
+    that were not routed. The layers route the `routed` positions only, one row each; this puts the rows back at
+    their positions for callers that pair them with the attention mask (Mixtral's `load_balancing_loss_func`)."""
+    if not router_logits or routed is None or router_logits[0].shape[0] == routed.numel():
+        return router_logits
+    packed_tokens = PackedTokens.of(routed)
+    return tuple(packed_tokens.unpack(layer).flatten(0, 1) for layer in router_logits)
 
 
 def load_balancing_loss(
-    router_logits: tuple[torch.Tensor, ...] | None, config: VanillaTransformerConfig, padding_mask=None
+    router_logits: tuple[torch.Tensor, ...] | None,
+    config: VanillaTransformerConfig,
+    token_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Switch Transformer's auxiliary loss E * sum_e f_e P_e, averaged over one stack's MoE layers, padding excluded.
 
@@ -306,19 +301,19 @@ def load_balancing_loss(
     """
     if not router_logits:
         return torch.zeros(())
-    mask = _rows_mask(padding_mask, router_logits[0])
+    mask = _token_rows(token_mask, router_logits[0])
     top_k, num_experts = config.num_experts_per_tok, config.num_experts
     per_layer = [load_balancing_loss_func((layer,), num_experts, top_k, mask) for layer in router_logits]
     return torch.stack(per_layer).mean()
 
 
-def router_z_loss(router_logits: tuple[torch.Tensor, ...] | None, padding_mask=None) -> torch.Tensor:
+def router_z_loss(router_logits: tuple[torch.Tensor, ...] | None, token_mask=None) -> torch.Tensor:
     """ST-MoE's z-loss (Zoph et al. 2022, eq. 5): mean over tokens and layers of logsumexp(logits)^2, padding
     excluded. It keeps router logits small, where the fp32 softmax stays accurate."""
     if not router_logits:
         return torch.zeros(())
     squared = torch.cat([layer.logsumexp(dim=-1) ** 2 for layer in router_logits])
-    mask = _rows_mask(padding_mask, router_logits[0])
+    mask = _token_rows(token_mask, router_logits[0])
     if mask is None:
         return squared.mean()
     weights = mask.reshape(-1).to(squared).repeat(len(router_logits))
@@ -355,36 +350,6 @@ def attach_router_loss(logits: torch.Tensor, router_loss: torch.Tensor) -> torch
     return _RouterLossGradient.apply(logits, router_loss.to(logits.device))
 
 
-def route_router_loss_through_logits(
-    config: VanillaTransformerConfig, logits: torch.Tensor, stacks: dict[str, tuple] | None
-) -> tuple[torch.Tensor, "RouterLosses | None"]:
-    """For a head: the router losses of `stacks` (see `RouterLosses.of_stacks`; None = not wanted) and the logits
-    carrying them into the gradient (`attach_router_loss`)."""
-    if stacks is None:
-        return logits, None
-    router = RouterLosses.of_stacks(config, **stacks)
-    return attach_router_loss(logits, router.total), router
-
-
-def add_reported_router_loss(loss: torch.Tensor | None, router: "RouterLosses | None") -> torch.Tensor | None:
-    """The head's reported loss: the task loss plus the router losses as a detached value (their gradient already
-    flows through the logits)."""
-    if loss is None or router is None:
-        return loss
-    return loss + router.total.detach()
-
-
-def request_router_logits(config: VanillaTransformerConfig, labels, kwargs: dict) -> tuple[bool, bool]:
-    """For one head forward: (compute the router losses, return the router logits). The losses are computed whenever
-    a gradient may be taken, a loss is asked for, or the router logits are; the stacks are then told, through
-    `kwargs`, to record the logits."""
-    return_router_logits = bool(kwargs.pop("output_router_logits", config.output_router_logits))
-    with_losses = config.num_experts > 0 and (torch.is_grad_enabled() or labels is not None or return_router_logits)
-    if with_losses or return_router_logits:
-        kwargs["output_router_logits"] = True
-    return with_losses, return_router_logits
-
-
 @dataclass
 class RouterLosses:
     """Balancing (`aux`) and z-losses per stack, and `total` = aux_coef * sum(aux) + z_coef * sum(z), the term that
@@ -396,7 +361,7 @@ class RouterLosses:
 
     @classmethod
     def of_stacks(cls, config: VanillaTransformerConfig, **stacks: tuple) -> "RouterLosses":
-        """`stacks`: name -> (router logits of its MoE layers, its (batch, length) padding mask or None)."""
+        """`stacks`: name -> (router logits of its MoE layers, the (batch, length) mask of its tokens or None)."""
         aux = {name: load_balancing_loss(logits, config, mask) for name, (logits, mask) in stacks.items()}
         z = {name: router_z_loss(logits, mask) for name, (logits, mask) in stacks.items()}
         total = config.router_aux_loss_coef * sum(aux.values()) + config.router_z_loss_coef * sum(z.values())
@@ -441,11 +406,12 @@ __all__ = [
     "MoeCausalLMOutput",
     "RouterLosses",
     "attach_router_loss",
+    "counted_router_rows",
     "dropped_token_counts",
     "expert_capacity",
     "gated_activation",
     "load_balancing_loss",
-    "request_router_logits",
+    "router_logits_per_position",
     "router_z_loss",
     "within_capacity",
 ]

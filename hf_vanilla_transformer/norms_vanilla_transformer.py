@@ -33,33 +33,38 @@ def deepnorm_constants(config: VanillaTransformerConfig, stack: Literal["encoder
     return (3 * m) ** 0.25, (12 * m) ** -0.25
 
 
-# DeepNet Figure 2 (pseudocode): these get Xavier-normal with gain beta; queries and keys keep gain 1.
-DEEPNORM_SCALED_PROJECTIONS = ("v_proj", "out_proj", "fc1", "fc2", "gate_proj", "up_proj", "down_proj")
+# DeepNet Figure 2 (pseudocode): these get Xavier-normal with gain beta; queries and keys keep gain 1. Mixture-of-
+# Experts FFNs (`experts`, `shared_experts`) are FFN weights too.
+DEEPNORM_SCALED_MODULES = ("v_proj", "out_proj", "fc1", "fc2", "gate_proj", "up_proj", "down_proj", "experts")
 
 
 def set_deepnorm_init_gains(
     layer: nn.Module, config: VanillaTransformerConfig, stack: Literal["encoder", "decoder"]
 ) -> None:
-    """Store the DeepNet init gain on each linear of `layer` as `deepnorm_gain`, for `_init_weights` to apply.
+    """Store the DeepNet init gain on each linear map and expert bank of `layer` as `deepnorm_gain`, for
+    `_init_weights` to apply.
 
-    The gain lives on the linear itself because transformers initialises module by module and, for custom-code
+    The gain lives on the module itself because transformers initialises module by module and, for custom-code
     models, skips every module without parameters of its own, so a layer could not re-initialise its children.
     """
     if config.norm_position != "deepnorm":
         return
     beta = deepnorm_constants(config, stack)[1]
     for name, module in layer.named_modules():
-        if isinstance(module, nn.Linear):
-            module.deepnorm_gain = beta if name.rsplit(".", 1)[-1] in DEEPNORM_SCALED_PROJECTIONS else 1.0
+        kind = name.rsplit(".", 1)[-1].removeprefix("shared_")
+        if isinstance(module, nn.Linear) or kind == "experts":
+            module.deepnorm_gain = beta if kind in DEEPNORM_SCALED_MODULES else 1.0
 
 
 class SublayerConnection(nn.Module):
-    """One sub-layer (attention or FFN) with its dropout, residual add and norm(s), placed per `norm_position`:
+    """The dropout, residual add and norm(s) around one sub-layer (attention or FFN), placed per `norm_position`:
 
     post      LayerNorm(x + Dropout(f(x)))                 the paper, §3.1 and §5.4
     pre       x + Dropout(f(LayerNorm(x)))                 Xiong et al. 2020; the stack ends with a final norm
     sandwich  x + Dropout(LayerNorm(f(LayerNorm(x))))      Ding et al. 2021 (CogView)
     deepnorm  LayerNorm(alpha * x + Dropout(f(x)))         Wang et al. 2022 (DeepNet)
+
+    A layer calls `sublayer_input(x)`, runs its sub-layer f on the result, then `add_residual(x, f(...))`.
     """
 
     def __init__(self, config: VanillaTransformerConfig, residual_scale: float = 1.0):
@@ -70,15 +75,23 @@ class SublayerConnection(nn.Module):
         self.dropout = nn.Dropout(config.dropout)
         self.residual_scale = residual_scale
 
-    def forward(self, hidden_states: torch.Tensor, sublayer: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        if self.norm_position in ("post", "deepnorm"):
-            # alpha = 1 (post-LN) would cost a full-size multiply forward and backward for nothing.
-            residual = hidden_states if self.residual_scale == 1.0 else self.residual_scale * hidden_states
-            return self.norm(residual + self.dropout(sublayer(hidden_states)))
-        output = sublayer(self.norm(hidden_states))
+    def sublayer_input(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """What the sub-layer reads: the normalised stream (pre, sandwich) or the stream itself (post, deepnorm)."""
+        return hidden_states if self.norm_position in ("post", "deepnorm") else self.norm(hidden_states)
+
+    def add_residual(self, residual: torch.Tensor, sublayer_output: torch.Tensor) -> torch.Tensor:
+        """The stream after the sub-layer: its dropped-out output added to the residual, normalised per placement."""
         if self.sandwich_norm is not None:
-            output = self.sandwich_norm(output)
-        return hidden_states + self.dropout(output)
+            sublayer_output = self.sandwich_norm(sublayer_output)
+        if self.norm_position in ("pre", "sandwich"):
+            return residual + self.dropout(sublayer_output)
+        # alpha = 1 (post-LN) would cost a full-size multiply forward and backward for nothing.
+        scaled = residual if self.residual_scale == 1.0 else self.residual_scale * residual
+        return self.norm(scaled + self.dropout(sublayer_output))
+
+    def forward(self, hidden_states: torch.Tensor, sublayer: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """The whole connection around `sublayer`, for a sub-layer that is a plain function of the stream."""
+        return self.add_residual(hidden_states, sublayer(self.sublayer_input(hidden_states)))
 
 
 def has_final_norm(config: VanillaTransformerConfig) -> bool:

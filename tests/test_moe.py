@@ -35,6 +35,7 @@ from hf_vanilla_transformer.moe_vanilla_transformer import (
     within_capacity,
 )
 from hf_vanilla_transformer.norms_vanilla_transformer import SublayerConnection
+from hf_vanilla_transformer.packing_vanilla_transformer import PackedTokens
 
 
 def moe_config(**overrides):
@@ -53,7 +54,7 @@ def block(experts_implementation: str = "eager", **overrides) -> VanillaTransfor
     config = moe_config(**overrides)
     config._experts_implementation = experts_implementation
     torch.manual_seed(0)
-    moe = VanillaTransformerSparseMoeBlock(config, "encoder", config.encoder_ffn_dim, VanillaTransformerExperts)
+    moe = VanillaTransformerSparseMoeBlock(config, config.encoder_ffn_dim, VanillaTransformerExperts)
     for parameter in moe.parameters():
         torch.nn.init.normal_(parameter, std=0.3)
     return moe.eval()
@@ -273,8 +274,6 @@ def test_capacity_serves_first_choices_before_second_choices():
     top_k_index = torch.tensor([[0, 1], [0, 2], [0, 1]])
     keep = within_capacity(top_k_index, num_experts=3, capacity=2)
     assert keep.tolist() == [[True, True], [True, True], [False, True]]
-    padded = within_capacity(top_k_index, num_experts=3, capacity=2, token_mask=torch.tensor([False, True, True]))
-    assert padded.tolist() == [[False, False], [True, True], [True, True]]  # padding takes no room
 
 
 @pytest.mark.parametrize("experts_implementation", ["eager", "grouped_mm"])
@@ -289,7 +288,8 @@ def test_capacity_bounds_each_expert_and_dropped_tokens_keep_their_residual(expe
     normed = residual.norm(hidden)
     processed = []
     moe.experts.register_forward_hook(lambda module, args, output: processed.append(args[1]))
-    output = moe(normed, padding_mask).reshape(-1, 32)
+    tokens_of_batch = PackedTokens.of(padding_mask)
+    output = moe(normed, tokens_of_batch).reshape(-1, 32)
 
     tokens = int(padding_mask.sum())
     capacity = expert_capacity(tokens, top_k=2, num_experts=4, capacity_factor=0.5)
@@ -304,11 +304,12 @@ def test_capacity_bounds_each_expert_and_dropped_tokens_keep_their_residual(expe
     assert dropped_token_counts(moe) == {"": overflow}
 
     # Tokens that lost every expert (and padding) get no FFN output, so the pre-norm residual leaves them unchanged.
-    kept = within_capacity(top_k_index, 4, capacity, padding_mask.reshape(-1).bool())
+    kept = torch.zeros_like(top_k_index, dtype=torch.bool)
+    kept[padding_mask.reshape(-1).bool()] = within_capacity(real, 4, capacity)
     skipped = ~kept.any(dim=-1)
     assert skipped.sum() > 4  # the 4 padding tokens and some crowded-out real ones
     assert torch.equal(output[skipped], torch.zeros_like(output[skipped]))
-    after = residual(hidden, lambda x: moe(x, padding_mask)).reshape(-1, 32)
+    after = residual(hidden, lambda x: moe(x, tokens_of_batch)).reshape(-1, 32)
     assert torch.equal(after[skipped], hidden.reshape(-1, 32)[skipped])
     # Tokens that kept all their experts get exactly the dropless output.
     dropless = block(experts_implementation, norm_position="pre")
@@ -459,7 +460,12 @@ def router_grads_under_label_smoothing(tmp_path, **overrides) -> tuple[dict, dic
     expected_model = seq2seq(num_experts_per_tok=1, norm_topk_prob=True, **overrides).train()
     Seq2SeqTrainer(model=model, args=args, train_dataset=rows, callbacks=[callback]).train()
 
-    out = expected_model(input_ids=input_ids, attention_mask=attention_mask, decoder_input_ids=decoder_input_ids)
+    out = expected_model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        decoder_input_ids=decoder_input_ids,
+        output_router_logits=True,  # without labels, the losses are returned only when asked for (as Mixtral)
+    )
     router_loss = expected_model.config.router_aux_loss_coef * (out.encoder_aux_loss + out.decoder_aux_loss)
     router_loss = router_loss + expected_model.config.router_z_loss_coef * (out.encoder_z_loss + out.decoder_z_loss)
     router_loss.backward()

@@ -24,6 +24,7 @@ placeholder tokens). Sources must be passed as the model sees them: with the `</
 
 import argparse
 from collections.abc import Callable
+from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
@@ -62,8 +63,6 @@ def unsupported_fields(config: VanillaTransformerConfig) -> dict[str, str]:
             "'deepnorm' scales the residual by alpha before the norm, and CTranslate2 has no residual scale "
             "(folding it into the norm input is not exact because of norm_eps)"
         )
-    if config.norm_position == "sandwich":
-        reasons["norm_position"] = "'sandwich' adds a second norm after each sub-layer; the export does not map it"
     if config.ffn_type not in CT2_ACTIVATIONS:
         reasons["ffn_type"] = f"{config.ffn_type!r} needs an identity activation on the gate, which CTranslate2 lacks"
     return reasons
@@ -135,16 +134,38 @@ def set_feed_forward(spec: Any, mlp: nn.Module) -> None:
         set_linear(spec.linear_1, mlp.fc2)
 
 
-def set_layer(spec: Any, layer: nn.Module) -> None:
-    """One encoder or decoder layer; each sub-layer's norm is the norm of its residual connection, which CTranslate2
-    places before (pre_norm) or after the residual add (post-norm) as our `norm_position` does."""
+# Where each norm of our residual connections goes in a CTranslate2 layer spec. With one norm per sub-layer (post/pre),
+# CTranslate2 places it before the sub-layer (pre_norm) or after the residual add (post-norm), as our
+# `norm_position` does. The sandwich's two norms are its `pre_post_layer_norm` slots (Gemma's and T5Gemma's layout:
+# x + post_norm(f(pre_norm(x)))), the cross-attention's being the "external" pair.
+NORM_SLOTS = {
+    "single": {
+        "self_attn_connection": {"norm": "self_attention.layer_norm"},
+        "encoder_attn_connection": {"norm": "attention.layer_norm"},
+        "mlp_connection": {"norm": "ffn.layer_norm"},
+    },
+    "sandwich": {
+        "self_attn_connection": {"norm": "input_layer_norm", "sandwich_norm": "post_attention_layer_norm"},
+        "encoder_attn_connection": {
+            "norm": "external_pre_encoder_attention_layer_norm",
+            "sandwich_norm": "external_post_encoder_attention_layer_norm",
+        },
+        "mlp_connection": {"norm": "pre_feedforward_layer_norm", "sandwich_norm": "post_feedforward_layer_norm"},
+    },
+}
+
+
+def set_layer(spec: Any, layer: nn.Module, norm_position: str) -> None:
+    """One encoder or decoder layer: attention(s), FFN, and the norms of their residual connections."""
     set_attention(spec.self_attention, layer.self_attn, self_attention=True)
-    set_norm(spec.self_attention.layer_norm, layer.self_attn_connection.norm)
     if hasattr(layer, "encoder_attn"):
         set_attention(spec.attention, layer.encoder_attn, self_attention=False)
-        set_norm(spec.attention.layer_norm, layer.encoder_attn_connection.norm)
     set_feed_forward(spec.ffn, layer.mlp)
-    set_norm(spec.ffn.layer_norm, layer.mlp_connection.norm)
+    slots = NORM_SLOTS["sandwich" if norm_position == "sandwich" else "single"]
+    for connection_name, norms in slots.items():
+        connection = getattr(layer, connection_name, None)  # no encoder_attn_connection in encoder/decoder-only
+        for norm_name, spec_path in (norms.items() if connection is not None else ()):
+            set_norm(attrgetter(spec_path)(spec), getattr(connection, norm_name))
 
 
 def position_table(config: VanillaTransformerConfig, stack: nn.Module) -> torch.Tensor:
@@ -166,7 +187,7 @@ def set_stack(spec: Any, stack: nn.Module, config: VanillaTransformerConfig) -> 
         table = position_table(config, stack)
         spec.position_encodings.encodings = table.to(stack.embed_tokens.weight.dtype)
     for layer_spec, layer in zip(spec.layer, stack.layers):
-        set_layer(layer_spec, layer)
+        set_layer(layer_spec, layer, config.norm_position)
     if stack.layer_norm is not None:
         set_norm(spec.layer_norm, stack.layer_norm)
 
@@ -177,7 +198,8 @@ def stack_options(config: VanillaTransformerConfig, num_heads: int) -> dict[str,
 
     kv_heads = config.num_key_value_heads
     options = dict(
-        pre_norm=config.norm_position == "pre",
+        pre_norm=config.norm_position in ("pre", "sandwich"),
+        pre_post_layer_norm=config.norm_position == "sandwich",
         activation=getattr(common_spec.Activation, CT2_ACTIVATIONS[config.ffn_type]),
         ffn_glu=config.ffn_type in GATED_FFN_TYPES,
         rms_norm=config.norm_type == "rmsnorm",
@@ -196,7 +218,11 @@ def seq2seq_spec(model: VanillaTransformerForConditionalGeneration) -> Any:
         config.encoder_layers, config.encoder_attention_heads, **stack_options(config, config.encoder_attention_heads)
     )
     decoder = transformer_spec.TransformerDecoderSpec(
-        config.decoder_layers, config.decoder_attention_heads, **stack_options(config, config.decoder_attention_heads)
+        config.decoder_layers,
+        config.decoder_attention_heads,
+        # the sandwich's cross-attention norms sit outside CTranslate2's attention layer (T5Gemma's layout)
+        external_pre_post_encoder_layers=config.norm_position == "sandwich",
+        **stack_options(config, config.decoder_attention_heads),
     )
     spec = transformer_spec.TransformerSpec(encoder, decoder)
     set_stack(spec.encoder, model.model.encoder, config)

@@ -5,12 +5,12 @@ decoder-only `VanillaTransformerForCausalLM` a `ctranslate2.Generator` model. Th
 own Transformers converters fill it for Marian and Llama, and every variant is written so that CTranslate2 computes
 the same function:
 
-- post-/pre-norm, LayerNorm (with or without bias) or RMSNorm, the global `norm_eps`;
+- post-, pre- and sandwich norm, LayerNorm (with or without bias) or RMSNorm, the global `norm_eps`;
 - relu/gelu/swish FFNs and the gated glu/reglu/geglu/swiglu ones (gate -> `linear_0`, up -> `linear_0_noact`);
 - positions: CTranslate2's built-in sinusoid is tensor2tensor's (timescales 10000^(i / (d/2 - 1))), neither of our
   layouts, so additive positions (sinusoidal of either layout, learned, none = zeros) are stored as a table of
-  `max_position_embeddings` rows computed by our own code; RoPE is CTranslate2's non-interleaved rotary over the whole
-  head with base `rope_theta`;
+  `max_position_embeddings` rows computed by our own code (CTranslate2 refuses longer inputs and outputs with a clear
+  error); RoPE is CTranslate2's non-interleaved rotary over the whole head with base `rope_theta`;
 - `scale_embedding`, shared source/target embeddings, tied or untied output projection (+ bias), GQA/MQA, biases or none.
 
 Variants CTranslate2 cannot compute exactly raise a `ValueError` naming the config field (`unsupported_fields`).
@@ -50,7 +50,11 @@ CT2_ACTIVATIONS = {
     "swiglu": "SWISH",
 }
 
-EXPORTED_MODELS = ("VanillaTransformerForConditionalGeneration", "VanillaTransformerForCausalLM")
+ExportableModel = VanillaTransformerForConditionalGeneration | VanillaTransformerForCausalLM
+# Class name -> class. Models are recognised by name: after a trust_remote_code load their classes are copies of ours.
+EXPORTABLE_CLASSES = {
+    cls.__name__: cls for cls in (VanillaTransformerForConditionalGeneration, VanillaTransformerForCausalLM)
+}
 
 
 def unsupported_fields(config: VanillaTransformerConfig) -> dict[str, str]:
@@ -76,13 +80,12 @@ def check_exportable(config: VanillaTransformerConfig) -> None:
         raise ValueError(f"This model cannot be exported to CTranslate2 exactly: {details}.")
 
 
-def import_ctranslate2() -> Any:
-    """The `ctranslate2` module, or an ImportError that says how to install the optional dependency."""
+def require_ctranslate2() -> None:
+    """Raise an ImportError that says how to install the optional dependency when ctranslate2 is missing."""
     try:
-        import ctranslate2
+        import ctranslate2  # noqa: F401  (imported here only: the package itself does not need it)
     except ImportError as err:
         raise ImportError(f"Exporting to CTranslate2 needs the ctranslate2 package: `{INSTALL_HINT}`.") from err
-    return ctranslate2
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -164,7 +167,7 @@ def set_layer(spec: Any, layer: nn.Module, norm_position: str) -> None:
     slots = NORM_SLOTS["sandwich" if norm_position == "sandwich" else "single"]
     for connection_name, norms in slots.items():
         connection = getattr(layer, connection_name, None)  # no encoder_attn_connection in encoder/decoder-only
-        for norm_name, spec_path in (norms.items() if connection is not None else ()):
+        for norm_name, spec_path in norms.items() if connection is not None else ():
             set_norm(attrgetter(spec_path)(spec), getattr(connection, norm_name))
 
 
@@ -211,6 +214,7 @@ def stack_options(config: VanillaTransformerConfig, num_heads: int) -> dict[str,
 
 
 def seq2seq_spec(model: VanillaTransformerForConditionalGeneration) -> Any:
+    """A `TransformerSpec` (for `ctranslate2.Translator`) holding the model's weights."""
     from ctranslate2.specs import transformer_spec
 
     config = model.config
@@ -232,6 +236,7 @@ def seq2seq_spec(model: VanillaTransformerForConditionalGeneration) -> Any:
 
 
 def causal_lm_spec(model: VanillaTransformerForCausalLM) -> Any:
+    """A `TransformerDecoderModelSpec` (for `ctranslate2.Generator`) holding the model's weights."""
     from ctranslate2.specs import transformer_spec
 
     config = model.config
@@ -265,17 +270,19 @@ def vocabulary(tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> list[str]
     return tokens
 
 
-def special_tokens(config: VanillaTransformerConfig, tokens: list[str], unk_token: str | None) -> dict[str, str]:
-    """The CTranslate2 config's special tokens, read from the ids the torch model generates with."""
-    eos_ids = config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id]
-    named_ids = {"eos_token_id": eos_ids[0], "bos_token_id": config.bos_token_id}
-    if config.is_encoder_decoder:
-        named_ids["decoder_start_token_id"] = config.decoder_start_token_id
+def special_tokens(model: nn.Module, tokens: list[str], unk_token: str | None) -> dict[str, str]:
+    """The CTranslate2 config's special tokens: those `generate` uses, from the model's generation config. With several
+    end tokens the first is the default; CTranslate2 takes the others per call (`end_token=`)."""
+    generation = model.generation_config
+    eos_ids = generation.eos_token_id if isinstance(generation.eos_token_id, list) else [generation.eos_token_id]
+    named_ids = {"eos_token_id": eos_ids[0], "bos_token_id": generation.bos_token_id}
+    if model.config.is_encoder_decoder:
+        named_ids["decoder_start_token_id"] = generation.decoder_start_token_id
     missing = [name for name, token_id in named_ids.items() if token_id is None]
     if missing:
-        raise ValueError(f"CTranslate2 needs the special tokens {missing}; set them in the model config.")
+        raise ValueError(f"CTranslate2 needs the special tokens {missing}; set them in the model's generation config.")
     special = {name.removesuffix("_id"): tokens[token_id] for name, token_id in named_ids.items()}
-    special["unk_token"] = unk_token if unk_token is not None else ""
+    special["unk_token"] = unk_token if unk_token is not None else ""  # as CTranslate2's Llama converter does
     return special
 
 
@@ -283,17 +290,12 @@ def special_tokens(config: VanillaTransformerConfig, tokens: list[str], unk_toke
 # Entry points
 
 
-def load_exportable_model(path: str | Path) -> VanillaTransformerForConditionalGeneration | VanillaTransformerForCausalLM:
-    """The saved translation or causal LM model in `path`, in float32 unless saved otherwise."""
-    config = VanillaTransformerConfig.from_pretrained(path)
-    model_class = VanillaTransformerForConditionalGeneration if config.is_encoder_decoder else None
-    if model_class is None and "VanillaTransformerForCausalLM" in (config.architectures or []):
-        model_class = VanillaTransformerForCausalLM
+def load_exportable_model(path: str | Path) -> ExportableModel:
+    """The translation or causal LM model saved in `path`."""
+    architectures = VanillaTransformerConfig.from_pretrained(path).architectures or []
+    model_class = next((EXPORTABLE_CLASSES[name] for name in architectures if name in EXPORTABLE_CLASSES), None)
     if model_class is None:
-        raise ValueError(
-            f"{path} holds {config.architectures}; only VanillaTransformerForConditionalGeneration and "
-            "VanillaTransformerForCausalLM export to CTranslate2."
-        )
+        raise ValueError(f"{path} holds {architectures}; only {sorted(EXPORTABLE_CLASSES)} export to CTranslate2.")
     return model_class.from_pretrained(path)
 
 
@@ -341,7 +343,7 @@ def spec_converter(build_spec: Callable[[], Any]) -> Any:
 
 
 def export_to_ctranslate2(
-    model_or_path: VanillaTransformerForConditionalGeneration | VanillaTransformerForCausalLM | str | Path,
+    model_or_path: ExportableModel | str | Path,
     output_dir: str | Path,
     quantization: str | None = None,
     force: bool = False,
@@ -356,16 +358,17 @@ def export_to_ctranslate2(
     force: replace a non-empty `output_dir` (its whole content is deleted); otherwise such a directory is refused.
     tokenizer: the model's tokenizer (or its folder); by default the one saved in `model_or_path`.
     """
-    import_ctranslate2()
+    require_ctranslate2()
     check_quantization(quantization)
     output_dir = Path(output_dir)
     check_output_dir(output_dir, force)
 
     model_path = model_or_path if isinstance(model_or_path, str | Path) else None
     model = load_exportable_model(model_path) if model_path is not None else model_or_path
-    # By class name: after a trust_remote_code load the classes are copies of ours, not ours.
-    if type(model).__name__ not in EXPORTED_MODELS:
-        raise TypeError(f"model_or_path must be one of {EXPORTED_MODELS} or a folder holding one, got {type(model)}.")
+    if type(model).__name__ not in EXPORTABLE_CLASSES:
+        raise TypeError(
+            f"model_or_path must be one of {sorted(EXPORTABLE_CLASSES)} or a folder holding one, got {type(model)}."
+        )
     check_exportable(model.config)
     tokenizer = resolve_tokenizer(tokenizer, model_path)
     tokens = vocabulary(tokenizer, model.config.vocab_size)
@@ -373,7 +376,7 @@ def export_to_ctranslate2(
     def build_spec() -> Any:
         is_seq2seq = model.config.is_encoder_decoder
         spec = seq2seq_spec(model) if is_seq2seq else causal_lm_spec(model)
-        for name, token in special_tokens(model.config, tokens, tokenizer.unk_token).items():
+        for name, token in special_tokens(model, tokens, tokenizer.unk_token).items():
             setattr(spec.config, name, token)
         spec.config.layer_norm_epsilon = model.config.norm_eps
         if is_seq2seq:

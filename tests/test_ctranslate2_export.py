@@ -69,7 +69,9 @@ def word_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def random_model(causal: bool, **overrides) -> VanillaTransformerForConditionalGeneration | VanillaTransformerForCausalLM:
+def random_model(
+    causal: bool, **overrides
+) -> VanillaTransformerForConditionalGeneration | VanillaTransformerForCausalLM:
     """A tiny random model whose norms and biases are not at their identity init (so a norm or bias exported to the
     wrong place shows), and whose end token is likely enough that hypotheses end at different lengths."""
     torch.manual_seed(0)

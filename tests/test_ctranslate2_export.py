@@ -3,19 +3,19 @@ log-probabilities (within 1e-4) as the torch model, for every variant CTranslate
 with an error naming the config field; a non-empty output directory is never overwritten without force."""
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import ctranslate2
 import pytest
 import torch
+from conftest import tiny_config
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from hf_vanilla_transformer import (
-    VanillaTransformerConfig,
-    VanillaTransformerForCausalLM,
-    VanillaTransformerForConditionalGeneration,
-)
+from hf_vanilla_transformer import VanillaTransformerForCausalLM, VanillaTransformerForConditionalGeneration
 from hf_vanilla_transformer.ctranslate2_vanilla_transformer import export_to_ctranslate2, main
 
 VOCAB_SIZE = 48
@@ -75,19 +75,7 @@ def random_model(
     """A tiny random model whose norms and biases are not at their identity init (so a norm or bias exported to the
     wrong place shows), and whose end token is likely enough that hypotheses end at different lengths."""
     torch.manual_seed(0)
-    sizes = dict(
-        vocab_size=VOCAB_SIZE,
-        d_model=32,
-        encoder_layers=2,
-        decoder_layers=2,
-        encoder_attention_heads=4,
-        decoder_attention_heads=4,
-        encoder_ffn_dim=64,
-        decoder_ffn_dim=64,
-        max_position_embeddings=64,
-        dropout=0.0,
-    )
-    config = VanillaTransformerConfig(**(sizes | overrides))
+    config = tiny_config(vocab_size=VOCAB_SIZE, **overrides)
     model = (VanillaTransformerForCausalLM if causal else VanillaTransformerForConditionalGeneration)(config).eval()
     with torch.no_grad():
         for name, parameter in model.named_parameters():
@@ -245,3 +233,40 @@ def test_cli_exports_a_saved_folder_in_int8(causal, tokenizer, tmp_path):
     tokens = ["<s>", "w5", "w6"] if causal else ["w5", "w6", "</s>"]
     scores = loaded.score_batch([tokens]) if causal else loaded.score_batch([tokens], [["w7"]])
     assert len(scores[0].log_probs) == 2
+
+
+REMOTE_EXPORT_SCRIPT = """
+import sys
+from transformers import AutoModelForSeq2SeqLM
+model = AutoModelForSeq2SeqLM.from_pretrained(sys.argv[1], trust_remote_code=True)
+print(type(model).__module__)
+from hf_vanilla_transformer.ctranslate2_vanilla_transformer import export_to_ctranslate2
+export_to_ctranslate2(model, sys.argv[2], tokenizer=sys.argv[1])
+"""
+
+
+def test_exports_a_model_loaded_as_remote_code(tokenizer, tmp_path):
+    """A model loaded with trust_remote_code before the package was imported has transformers' copy of our class."""
+    model = random_model(causal=False)
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_", "TRANSFORMERS_"))}
+    env.update(HF_HOME=str(tmp_path / "hf_home"), HF_MODULES_CACHE=str(tmp_path / "modules"), HF_HUB_OFFLINE="1")
+    result = subprocess.run(
+        [sys.executable, "-c", REMOTE_EXPORT_SCRIPT, str(tmp_path / "model"), str(tmp_path / "ct2")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.startswith("transformers_modules.")
+
+    source, target = [5, 6, 7, EOS], [8, 9]
+    exported = Exported(str(tmp_path / "ct2"), "shared_vocabulary.json")
+    translator = ctranslate2.Translator(exported.directory, device="cpu", compute_type="float32")
+    (score,) = translator.score_batch([exported.to_tokens(source)], [exported.to_tokens(target)])
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([source]), decoder_input_ids=torch.tensor([[BOS] + target])).logits
+    expected = logits.log_softmax(-1)[0].gather(-1, torch.tensor(target + [EOS])[:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor(score.log_probs), expected, rtol=0, atol=LOG_PROB_TOLERANCE)

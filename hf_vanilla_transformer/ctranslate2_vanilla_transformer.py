@@ -408,7 +408,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--force", action="store_true", help="replace dst even when it is not empty (deletes it)")
     parser.add_argument("--tokenizer", default=None, help="tokenizer folder or Hub id when src has none")
     args = parser.parse_args(argv)
-    print(export_to_ctranslate2(args.src, args.dst, args.quantization, args.force, args.tokenizer))
+    try:
+        print(export_to_ctranslate2(args.src, args.dst, args.quantization, args.force, args.tokenizer))
+    except (ValueError, ImportError) as err:  # bad input or the missing extra: a one-line message, not a traceback
+        parser.error(str(err))
 
 
 __all__ = ["export_to_ctranslate2", "unsupported_fields"]

@@ -224,6 +224,9 @@ def test_cli_exports_a_saved_folder_in_int8(causal, tokenizer, tmp_path):
     tokenizer.save_pretrained(tmp_path / "model")
     main([str(tmp_path / "model"), str(tmp_path / "fp32")])
     main([str(tmp_path / "model"), str(tmp_path / "int8"), "--quantization", "int8"])
+    with pytest.raises(SystemExit) as exit_info:  # the output exists now: refused with a usage error
+        main([str(tmp_path / "model"), str(tmp_path / "int8")])
+    assert exit_info.value.code == 2
 
     # int8 weights: the Linear and embedding matrices shrink about 4x (scales and norms stay float32).
     size = {name: (tmp_path / name / "model.bin").stat().st_size for name in ("fp32", "int8")}

@@ -110,10 +110,12 @@ def fused_linear(spec: Any, linears: list[nn.Linear]) -> None:
 
 
 def set_norm(spec: Any, norm: nn.Module) -> None:
-    """LayerNorm -> gamma/beta (a zero beta when `norm_bias=False`); RMSNorm -> gamma only."""
+    """gamma = the norm's weight; a LayerNorm spec (the spec was built with `rms_norm` from `config.norm_type`) also
+    takes beta, zero when the norm has no bias (`norm_bias=False`)."""
     spec.gamma = norm.weight
-    if isinstance(norm, nn.LayerNorm):
-        spec.beta = norm.bias if norm.bias is not None else torch.zeros_like(norm.weight)
+    if hasattr(spec, "beta"):
+        bias = getattr(norm, "bias", None)
+        spec.beta = bias if bias is not None else torch.zeros_like(norm.weight)
 
 
 def set_attention(spec: Any, attention: nn.Module, self_attention: bool) -> None:

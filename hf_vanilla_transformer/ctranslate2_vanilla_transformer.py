@@ -20,6 +20,11 @@ Variants CTranslate2 cannot compute exactly raise a `ValueError` naming the conf
 
 CTranslate2 reads tokens as strings, so the export writes the tokenizer's vocabulary (ids beyond the tokenizer get
 placeholder tokens). Sources must be passed as the model sees them: with the `</s>` the tokenizer appends.
+
+Decoding settings that give the tokens of `generate`: CTranslate2's beam search stops once `beam_size` hypotheses have
+finished (patience 1), as `generate(..., early_stopping=True)`; its length penalty is the power form
+(`length_penalty=`, as transformers'), so the GNMT penalty (`length_penalty_type="gnmt"`) has no CTranslate2
+equivalent; `translate_batch` forbids the end token as the first token unless `min_decoding_length=0`.
 """
 
 import argparse

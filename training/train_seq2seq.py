@@ -23,12 +23,14 @@ import transformers
 from datasets import DatasetDict, load_dataset
 from demo_data import number_translation_dataset
 from run_common import (
+    FsdpTrainerMixin,
     ModelArguments,
     NoamArguments,
     NoamTrainerMixin,
     check_model_arguments,
     load_local_files,
     new_model_config,
+    run_ranks_on_cpu_without_accelerator,
     save_run,
 )
 from train_tokenizer import train_bpe_tokenizer
@@ -92,7 +94,7 @@ class PaperSeq2SeqTrainingArguments(NoamArguments, Seq2SeqTrainingArguments):
     )
 
 
-class PaperSeq2SeqTrainer(NoamTrainerMixin, Seq2SeqTrainer):
+class PaperSeq2SeqTrainer(NoamTrainerMixin, FsdpTrainerMixin, Seq2SeqTrainer):
     """Seq2SeqTrainer with the Noam schedule and the paper's source-relative output length limit."""
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None, **gen_kwargs):
@@ -164,6 +166,7 @@ def bleu_and_chrf(tokenizer):
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
+    run_ranks_on_cpu_without_accelerator()
     parser = HfArgumentParser((ModelArguments, DataArguments, PaperSeq2SeqTrainingArguments))
     model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=argv)
     check_model_arguments(model_args)

@@ -22,10 +22,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from accelerate.commands.config.config_args import load_config_from_file
 from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+from accelerate.utils import DistributedType
 from accelerate.utils.launch import prepare_multi_gpu_env
+from conftest import tiny_config
+from deepspeed.runtime.config import DeepSpeedConfig
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from transformers import Seq2SeqTrainingArguments
+from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
 
 from hf_vanilla_transformer import VanillaTransformerForConditionalGeneration
 
@@ -97,7 +103,7 @@ def run_ranks(argv: list[str], log_dir: Path, num_processes: int = 2) -> None:
                     process.wait()
     outputs = [
         f"rank {rank}, exit code {process.returncode}:\n{log.read_text()[-3000:]}"
-        for rank, (process, log) in enumerate(zip(ranks, logs))
+        for rank, (process, log) in enumerate(zip(ranks, logs, strict=True))
     ]
     assert all(process.returncode == 0 for process in ranks), "\n".join(outputs)
 
@@ -192,3 +198,40 @@ def test_fsdp_resumes_from_its_sharded_checkpoint(dense_runs, tmp_path):
     for name, tensor in uninterrupted.items():
         assert torch.equal(tensor, resumed[name]), name
     assert logged(tmp_path, "loss") == logged(fsdp_dir, "loss")  # steps 1-2 from the checkpoint's history
+
+
+def auto_values(config: dict | list, path: str = "") -> list[str]:
+    """The paths of the "auto" values left anywhere in a DeepSpeed config."""
+    items = config.items() if isinstance(config, dict) else enumerate(config)
+    found = []
+    for key, value in items:
+        if value == "auto":
+            found.append(f"{path}{key}")
+        elif isinstance(value, dict | list):
+            found += auto_values(value, f"{path}{key}.")
+    return found
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_configs_pass_deepspeeds_own_parser(stage, tmp_path):
+    """DeepSpeed does not run through Accelerate on CPU processes (see the README), so its configs are checked here
+    the way a GPU run reads them: accelerate parses the yaml, transformers fills the "auto" values from the
+    TrainingArguments and the model, and DeepSpeed's pydantic models, which reject unknown fields, parse the result."""
+    launch = load_config_from_file(str(FSDP_CONFIG.with_name(f"deepspeed_zero{stage}.yaml")))
+    assert launch.distributed_type == DistributedType.DEEPSPEED
+    json_file = REPO / launch.deepspeed_config["deepspeed_config_file"]
+    args = Seq2SeqTrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=8, gradient_accumulation_steps=2, max_grad_norm=0.5
+    )
+    filled = HfTrainerDeepSpeedConfig(str(json_file))
+    filled.trainer_config_process(args)
+    filled.trainer_config_finalize(args, VanillaTransformerForConditionalGeneration(tiny_config()), 100)
+    assert auto_values(filled.config) == []
+    parsed = DeepSpeedConfig(filled.config)
+    assert parsed.zero_optimization_stage == stage
+    assert (parsed.train_batch_size, parsed.gradient_clipping, parsed.optimizer_name) == (16, 0.5, "adamw")
+    assert parsed.zero_config.gather_16bit_weights_on_model_save == (stage == 3)  # save_model gets full weights
+    misspelt = json.loads(json.dumps(filled.config))
+    misspelt["zero_optimization"]["overlap_comms"] = True
+    with pytest.raises(ValueError, match="overlap_comms"):  # the parser would catch a misspelt field
+        DeepSpeedConfig(misspelt)

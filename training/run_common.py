@@ -131,6 +131,10 @@ def run_ranks_on_cpu_without_accelerator() -> None:
         os.environ.setdefault("ACCELERATE_USE_CPU", "true")
 
 
+def requested_by_launcher(variable: str) -> bool:
+    return os.environ.get(variable, "false").lower() == "true"
+
+
 @contextmanager
 def original_module_class(model: torch.nn.Module) -> Iterator[None]:
     """FSDP2's `fully_shard` gives a module a subclass of its class defined in torch (`FSDP<name>`). save_pretrained
@@ -151,6 +155,7 @@ class FsdpTrainerMixin(Trainer):
     Accelerate turns an FSDP request (its launcher's ACCELERATE_USE_FSDP, or an fsdp_plugin) into FSDP only on
     GPU-like devices and silently runs CPU processes as DDP, although FSDP2 itself runs on CPU with gloo (which has
     reduce_scatter); the state is promoted right after the Accelerator is built, before the model is wrapped.
+    DeepSpeed, which Accelerate drops on CPU processes as well, raises instead of silently training with DDP.
 
     Trainer.save_model writes no weights under FSDP with sharded checkpoints, and with full ones it saves under
     FSDP2's class; here the full weights are gathered and saved under the model's own class.
@@ -159,8 +164,16 @@ class FsdpTrainerMixin(Trainer):
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
         state = self.accelerator.state
-        fsdp_requested = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
-        if state.distributed_type != DistributedType.MULTI_CPU or not fsdp_requested:
+        if state.distributed_type != DistributedType.MULTI_CPU:
+            return
+        if self.args.deepspeed or requested_by_launcher("ACCELERATE_USE_DEEPSPEED"):
+            # DeepSpeed's own engine runs on CPU over gloo, but Accelerate drops it on CPU processes (and without
+            # its CPU mode counts one process while DeepSpeed counts all); training on would silently be DDP.
+            raise ValueError(
+                "DeepSpeed through Accelerate/Trainer does not run on CPU processes: use a GPU, or on CPU the FSDP "
+                "config (training/accelerate_configs/fsdp.yaml)."
+            )
+        if not requested_by_launcher("ACCELERATE_USE_FSDP"):
             return
         plugin_args = self.args.fsdp_plugin_args or {}  # without Trainer FSDP arguments: the launcher's FSDP_* env
         state.fsdp_plugin = FullyShardedDataParallelPlugin(**plugin_args)

@@ -11,6 +11,8 @@ English -> German number-sentence demo (training/demo_data.py). Examples:
     python training/train_seq2seq.py --output_dir out/wmt --dataset_name wmt14 --dataset_config_name de-en \\
         --source_lang en --target_lang de --tokenizer_vocab_size 37000 --do_train --do_eval --max_steps 100000
     accelerate launch --config_file training/accelerate_configs/ddp.yaml training/train_seq2seq.py ...
+    accelerate launch --config_file training/accelerate_configs/fsdp.yaml --num_processes 2 --mixed_precision no \\
+        training/train_seq2seq.py ...   # FSDP2; on a machine without a GPU, on CPU processes (gloo)
 """
 
 import logging

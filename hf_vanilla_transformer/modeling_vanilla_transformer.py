@@ -607,6 +607,9 @@ class VanillaTransformerModel(VanillaTransformerPreTrainedModel):
         self.shared = ScaledWordEmbedding(config)
         self.encoder = VanillaTransformerEncoder(config)
         self.decoder = VanillaTransformerDecoder(config)
+        # The stacks hold the shared embedding module itself, not a module tied to its weight: FSDP2 shards by
+        # module, and a tied weight reachable from a second module would sit in two FSDP groups (torch rejects it).
+        self.set_input_embeddings(self.shared)
         self._set_auto_map()
         self.post_init()
 

@@ -5,6 +5,8 @@ import dataclasses
 import json
 import math
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -13,7 +15,11 @@ import matplotlib
 
 matplotlib.use("Agg")  # headless: the plot only goes to a file
 import matplotlib.pyplot as plt  # noqa: E402
+import torch  # noqa: E402
+from accelerate import PartialState  # noqa: E402
+from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin  # noqa: E402
 from datasets import DatasetDict, load_dataset  # noqa: E402
+from torch.distributed.fsdp import FSDPModule  # noqa: E402
 from torch.optim.lr_scheduler import LambdaLR  # noqa: E402
 from transformers import PreTrainedTokenizerBase, Trainer  # noqa: E402
 
@@ -117,6 +123,84 @@ class NoamTrainerMixin(Trainer):
         return self.lr_scheduler
 
 
+def run_ranks_on_cpu_without_accelerator() -> None:
+    """Call before the TrainingArguments are parsed. `accelerate launch` with the DDP/FSDP configs (and torchrun)
+    start ranks that Accelerate joins into one job on CPU (gloo) only when told to use the CPU; on a machine without
+    a GPU or other accelerator each rank would otherwise train alone on its own copy of the data."""
+    if "LOCAL_RANK" in os.environ and not torch.accelerator.is_available():
+        os.environ.setdefault("ACCELERATE_USE_CPU", "true")
+
+
+def requested_by_launcher(variable: str) -> bool:
+    return os.environ.get(variable, "false").lower() == "true"
+
+
+@contextmanager
+def original_module_class(model: torch.nn.Module) -> Iterator[None]:
+    """FSDP2's `fully_shard` gives a module a subclass of its class defined in torch (`FSDP<name>`). save_pretrained
+    takes the class's module for the custom code it copies and for `auto_map`, and the model card names the head
+    after the class, so around saving the model shows its own class again."""
+    sharded_class = type(model)
+    if isinstance(model, FSDPModule):
+        model.__class__ = next(base for base in sharded_class.__bases__ if base is not FSDPModule)
+    try:
+        yield
+    finally:
+        model.__class__ = sharded_class
+
+
+class FsdpTrainerMixin(Trainer):
+    """A Trainer whose FSDP runs on CPU processes too and whose saved models are `from_pretrained` folders.
+
+    Accelerate turns an FSDP request (its launcher's ACCELERATE_USE_FSDP, or an fsdp_plugin) into FSDP only on
+    GPU-like devices and silently runs CPU processes as DDP, although FSDP2 itself runs on CPU with gloo (which has
+    reduce_scatter); the state is promoted right after the Accelerator is built, before the model is wrapped.
+    DeepSpeed, which Accelerate drops on CPU processes as well, raises instead of silently training with DDP.
+
+    Trainer.save_model writes no weights under FSDP with sharded checkpoints, and with full ones it saves under
+    FSDP2's class; here the full weights are gathered and saved under the model's own class.
+    """
+
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        state = self.accelerator.state
+        if state.distributed_type != DistributedType.MULTI_CPU:
+            return
+        if self.args.deepspeed or requested_by_launcher("ACCELERATE_USE_DEEPSPEED"):
+            # DeepSpeed's own engine runs on CPU over gloo, but Accelerate drops it on CPU processes (and without
+            # its CPU mode counts one process while DeepSpeed counts all); training on would silently be DDP.
+            raise ValueError(
+                "DeepSpeed through Accelerate/Trainer does not run on CPU processes: use a GPU, or on CPU the FSDP "
+                "config (training/accelerate_configs/fsdp.yaml)."
+            )
+        if not requested_by_launcher("ACCELERATE_USE_FSDP"):
+            return
+        plugin_args = self.args.fsdp_plugin_args or {}  # without Trainer FSDP arguments: the launcher's FSDP_* env
+        state.fsdp_plugin = FullyShardedDataParallelPlugin(**plugin_args)
+        state.distributed_type = DistributedType.FSDP
+        PartialState._shared_state["distributed_type"] = DistributedType.FSDP  # as AcceleratorState itself does
+        self.is_fsdp_enabled = True
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        if not self.is_fsdp_enabled:
+            super().save_model(output_dir, _internal_call)
+            return
+        sharded = "SHARDED" in str(self.accelerator.state.fsdp_plugin.state_dict_type)
+        if sharded and _internal_call and output_dir is not None:
+            # A checkpoint folder: its weights are the shards saved beside the optimizer's. The config and tokenizer
+            # make it as self-contained as other checkpoints (resuming takes the tokenizer from it).
+            if self.args.should_save:
+                self.model.config.save_pretrained(output_dir)
+                self.processing_class.save_pretrained(output_dir)
+            return
+        state_dict = self.accelerator.get_state_dict(self.model)  # a collective: every rank gathers
+        if self.args.should_save:
+            with original_module_class(self.model):
+                self._save(output_dir, state_dict=state_dict)  # what Trainer.save_model does with the full weights
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+
 def parse_config_overrides(overrides: str | None) -> dict[str, Any]:
     """'a=1,b=pre,c=true' -> {"a": 1, "b": "pre", "c": True}; unknown field names raise ValueError."""
     if not overrides:
@@ -209,6 +293,7 @@ def save_run(trainer: Trainer, metrics: dict[str, float], dataset: str, card_arg
     plot = plot_training_curves(trainer.state.log_history, output_dir / "training_curves.png")
     keep = ("eval_bleu", "eval_chrf", "eval_loss", "eval_perplexity")
     results = {name: metrics[name] for name in keep if name in metrics and math.isfinite(metrics[name])}
-    write_model_card(trainer.model, output_dir, results=results, dataset=dataset, plot_path=plot, **card_args)
+    with original_module_class(trainer.model):
+        write_model_card(trainer.model, output_dir, results=results, dataset=dataset, plot_path=plot, **card_args)
     with open(os.path.join(output_dir, "all_results.json"), "w") as file:
         json.dump(metrics, file, indent=2)

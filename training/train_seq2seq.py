@@ -11,6 +11,8 @@ English -> German number-sentence demo (training/demo_data.py). Examples:
     python training/train_seq2seq.py --output_dir out/wmt --dataset_name wmt14 --dataset_config_name de-en \\
         --source_lang en --target_lang de --tokenizer_vocab_size 37000 --do_train --do_eval --max_steps 100000
     accelerate launch --config_file training/accelerate_configs/ddp.yaml training/train_seq2seq.py ...
+    accelerate launch --config_file training/accelerate_configs/fsdp.yaml --num_processes 2 --mixed_precision no \\
+        training/train_seq2seq.py ...   # FSDP2; on a machine without a GPU, on CPU processes (gloo)
 """
 
 import logging
@@ -23,12 +25,14 @@ import transformers
 from datasets import DatasetDict, load_dataset
 from demo_data import number_translation_dataset
 from run_common import (
+    FsdpTrainerMixin,
     ModelArguments,
     NoamArguments,
     NoamTrainerMixin,
     check_model_arguments,
     load_local_files,
     new_model_config,
+    run_ranks_on_cpu_without_accelerator,
     save_run,
 )
 from train_tokenizer import train_bpe_tokenizer
@@ -92,7 +96,7 @@ class PaperSeq2SeqTrainingArguments(NoamArguments, Seq2SeqTrainingArguments):
     )
 
 
-class PaperSeq2SeqTrainer(NoamTrainerMixin, Seq2SeqTrainer):
+class PaperSeq2SeqTrainer(NoamTrainerMixin, FsdpTrainerMixin, Seq2SeqTrainer):
     """Seq2SeqTrainer with the Noam schedule and the paper's source-relative output length limit."""
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None, **gen_kwargs):
@@ -164,6 +168,7 @@ def bleu_and_chrf(tokenizer):
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
+    run_ranks_on_cpu_without_accelerator()
     parser = HfArgumentParser((ModelArguments, DataArguments, PaperSeq2SeqTrainingArguments))
     model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=argv)
     check_model_arguments(model_args)

@@ -1,0 +1,237 @@
+"""FSDP2 on two CPU processes (gloo) through training/train_seq2seq.py with training/accelerate_configs/fsdp.yaml:
+the losses equal a single-process run with the same global batch, the sharded checkpoint resumes to the same
+weights, and the consolidated `from_pretrained` folder holds exactly the trained weights. ~1 minute on 2 cores.
+
+The two ranks get the environment `accelerate launch --config_file fsdp.yaml --num_processes 2` computes for them
+(accelerate's own launcher code reads the yaml), but are started here directly, as tests/test_moe.py does: the
+launcher's torchrun agent adds nothing to test and is the part that has hung in CI.
+
+Run: python -m pytest -q tests/test_distributed.py
+"""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+import pytest
+import torch
+from accelerate.commands.config.config_args import load_config_from_file
+from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+from accelerate.utils import DistributedType
+from accelerate.utils.launch import prepare_multi_gpu_env
+from conftest import tiny_config
+from deepspeed.runtime.config import DeepSpeedConfig
+from safetensors.torch import load_file
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from transformers import Seq2SeqTrainingArguments
+from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
+
+from hf_vanilla_transformer import VanillaTransformerForConditionalGeneration
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "training" / "train_seq2seq.py"
+sys.path.insert(0, str(SCRIPT.parent))
+
+import train_seq2seq  # noqa: E402
+
+FSDP_CONFIG = REPO / "training" / "accelerate_configs" / "fsdp.yaml"
+RANK_TIMEOUT_S = 240
+
+# No dropout and no label smoothing: dropout masks differ per rank, and the Trainer's label smoother averages each
+# rank's tokens separately, while the model's own loss is normalised by the tokens of the global batch.
+TINY = "d_model=32,encoder_layers=1,decoder_layers=1,encoder_ffn_dim=64,decoder_ffn_dim=64,"
+TINY += "encoder_attention_heads=2,decoder_attention_heads=2,dropout=0"
+# Dropless routing without router losses: capacity and the balancing/z statistics are computed over each rank's
+# tokens (as in every data-parallel MoE), so only then is the 2-rank loss the single-process one.
+MOE = ",num_experts=4,num_experts_per_tok=2,num_shared_experts=1,router_aux_loss_coef=0,router_z_loss_coef=0"
+COMMON = ["--preset", "demo-small", "--tokenizer_vocab_size", "300", "--demo_train_size", "64"]
+COMMON += ["--report_to", "none", "--disable_tqdm", "true", "--dataloader_pin_memory", "false", "--seed", "0"]
+COMMON += ["--label_smoothing_factor", "0", "--warmup_steps", "8", "--do_train", "--max_steps", "4"]
+COMMON += ["--logging_steps", "1", "--save_steps", "2"]
+GLOBAL_BATCH = 16
+INHERITED = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_", "TORCHELASTIC", "ACCELERATE_", "FSDP_")
+
+
+def launch_environment(config_file: Path, num_processes: int) -> dict[str, str]:
+    """The variables `accelerate launch --config_file config_file --num_processes n` sets for its ranks."""
+    argv = ["--config_file", str(config_file), "--num_processes", str(num_processes), "--mixed_precision", "no"]
+    args, _, _ = _validate_launch_command(launch_command_parser().parse_args([*argv, str(SCRIPT)]))
+    return {key: value for key, value in prepare_multi_gpu_env(args).items() if os.environ.get(key) != value}
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def run_ranks(argv: list[str], log_dir: Path, num_processes: int = 2) -> None:
+    """Runs the training script as `num_processes` ranks of one job. When a rank fails the others are ended at once
+    (they would wait in a collective), and the test fails with the ranks' output."""
+    clean = {key: value for key, value in os.environ.items() if not key.startswith(INHERITED)}
+    env = clean | launch_environment(FSDP_CONFIG, num_processes) | {"OMP_NUM_THREADS": "1"}
+    env |= {"PYTHONPATH": os.pathsep.join([str(REPO), clean.get("PYTHONPATH", "")])}
+    env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(num_processes)}
+    env |= {"LOCAL_WORLD_SIZE": str(num_processes)}
+    logs = [log_dir / f"rank{rank}.log" for rank in range(num_processes)]
+    with ExitStack() as files:
+        ranks = [
+            subprocess.Popen(
+                [sys.executable, str(SCRIPT), *argv],
+                env=env | {"RANK": str(rank), "LOCAL_RANK": str(rank)},
+                stdout=files.enter_context(log.open("w")),
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # its own process group, so a hung rank and its children can be ended
+            )
+            for rank, log in enumerate(logs)
+        ]
+        deadline = time.monotonic() + RANK_TIMEOUT_S
+        try:
+            while time.monotonic() < deadline and not all_done_or_one_failed(ranks):
+                time.sleep(0.2)
+        finally:
+            for process in ranks:
+                if process.poll() is None:
+                    os.killpg(process.pid, signal.SIGKILL)
+                    process.wait()
+    outputs = [
+        f"rank {rank}, exit code {process.returncode}:\n{log.read_text()[-3000:]}"
+        for rank, (process, log) in enumerate(zip(ranks, logs, strict=True))
+    ]
+    assert all(process.returncode == 0 for process in ranks), "\n".join(outputs)
+
+
+def all_done_or_one_failed(processes: list[subprocess.Popen]) -> bool:
+    codes = [process.poll() for process in processes]
+    return all(code is not None for code in codes) or any(code not in (None, 0) for code in codes)
+
+
+def logged(run_dir: Path, key: str) -> list[float]:
+    history = json.loads((run_dir / "checkpoint-4" / "trainer_state.json").read_text())["log_history"]
+    return [entry[key] for entry in history if key in entry and "train_runtime" not in entry]
+
+
+def trained_pair(tmp_path_factory, name: str, overrides: str) -> tuple[Path, Path]:
+    """The same 4 steps on two FSDP ranks (batch 8 each) and in one process (batch 16)."""
+    fsdp_dir, single_dir = tmp_path_factory.mktemp(f"{name}_fsdp"), tmp_path_factory.mktemp(f"{name}_single")
+    argv = [*COMMON, "--config_overrides", overrides]
+    fsdp_argv = [*argv, "--output_dir", str(fsdp_dir), "--per_device_train_batch_size", str(GLOBAL_BATCH // 2)]
+    run_ranks(fsdp_argv, log_dir=tmp_path_factory.mktemp(f"{name}_logs"))
+    train_seq2seq.main([*argv, "--output_dir", str(single_dir), "--per_device_train_batch_size", str(GLOBAL_BATCH)])
+    return fsdp_dir, single_dir
+
+
+@pytest.fixture(scope="module")
+def dense_runs(tmp_path_factory) -> tuple[Path, Path]:
+    return trained_pair(tmp_path_factory, "dense", TINY)
+
+
+@pytest.fixture(scope="module")
+def moe_runs(tmp_path_factory) -> tuple[Path, Path]:
+    return trained_pair(tmp_path_factory, "moe", TINY + MOE)
+
+
+@pytest.mark.parametrize("runs", ["dense_runs", "moe_runs"])
+def test_fsdp_losses_equal_single_process_with_the_same_global_batch(runs, request):
+    fsdp_dir, single_dir = request.getfixturevalue(runs)
+    fsdp_losses, single_losses = logged(fsdp_dir, "loss"), logged(single_dir, "loss")
+    assert len(fsdp_losses) == 4
+    assert fsdp_losses == pytest.approx(single_losses, rel=1e-4)
+    assert fsdp_losses[-1] < fsdp_losses[0] - 1.0  # it trains
+    assert logged(fsdp_dir, "grad_norm") == pytest.approx(logged(single_dir, "grad_norm"), rel=1e-3)
+
+
+@pytest.mark.parametrize("runs", ["dense_runs", "moe_runs"])
+def test_fsdp_checkpoint_is_sharded_and_the_export_holds_its_weights(runs, request, tmp_path):
+    """Each rank wrote its own shard; the exported folder's weights equal the checkpoint's shards put together."""
+    fsdp_dir, _ = request.getfixturevalue(runs)
+    shards = fsdp_dir / "checkpoint-4" / "pytorch_model_fsdp_0"
+    assert sorted(path.name for path in shards.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    dcp_to_torch_save(shards, tmp_path / "full.pt")
+    from_shards = torch.load(tmp_path / "full.pt", weights_only=True)["model"]  # accelerate's key for the model
+    exported = load_file(fsdp_dir / "model.safetensors")
+    assert exported.keys() <= from_shards.keys()
+    for name, tensor in exported.items():
+        assert torch.equal(tensor, from_shards[name]), name
+
+
+@pytest.mark.parametrize("runs", ["dense_runs", "moe_runs"])
+def test_fsdp_export_reloads_as_the_trained_model(runs, request):
+    """from_pretrained restores every weight (none missing, none left over), under the package's own code, and
+    computes what the single-process model computes."""
+    fsdp_dir, single_dir = request.getfixturevalue(runs)
+    config = json.loads((fsdp_dir / "config.json").read_text())
+    assert config["auto_map"]["AutoModelForSeq2SeqLM"].startswith("heads_vanilla_transformer.")
+    assert (fsdp_dir / "modeling_vanilla_transformer.py").exists()
+    assert not list(fsdp_dir.glob("_fsdp*.py"))  # not torch's FSDP module taken for the model's code
+    model, info = VanillaTransformerForConditionalGeneration.from_pretrained(fsdp_dir, output_loading_info=True)
+    assert not any(info.values()), info
+    exported = load_file(fsdp_dir / "model.safetensors")
+    state = model.state_dict()
+    for name, tensor in exported.items():
+        assert torch.equal(state[name], tensor), name
+    reference = VanillaTransformerForConditionalGeneration.from_pretrained(single_dir)
+    source = torch.randint(3, model.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = model(input_ids=source, decoder_input_ids=source).logits
+        expected = reference(input_ids=source, decoder_input_ids=source).logits
+    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_fsdp_resumes_from_its_sharded_checkpoint(dense_runs, tmp_path):
+    """Two ranks resumed from the step-2 checkpoint (all an interrupted run leaves) end with the weights of the
+    uninterrupted run, bit for bit."""
+    fsdp_dir, _ = dense_runs
+    shutil.copytree(fsdp_dir / "checkpoint-2", tmp_path / "checkpoint-2")
+    argv = [*COMMON, "--config_overrides", TINY, "--output_dir", str(tmp_path)]
+    argv += ["--per_device_train_batch_size", str(GLOBAL_BATCH // 2)]
+    run_ranks([*argv, "--resume_from_checkpoint", str(tmp_path / "checkpoint-2")], log_dir=tmp_path)
+    uninterrupted, resumed = load_file(fsdp_dir / "model.safetensors"), load_file(tmp_path / "model.safetensors")
+    assert uninterrupted.keys() == resumed.keys()
+    for name, tensor in uninterrupted.items():
+        assert torch.equal(tensor, resumed[name]), name
+    assert logged(tmp_path, "loss") == logged(fsdp_dir, "loss")  # steps 1-2 from the checkpoint's history
+
+
+def auto_values(config: dict | list, path: str = "") -> list[str]:
+    """The paths of the "auto" values left anywhere in a DeepSpeed config."""
+    items = config.items() if isinstance(config, dict) else enumerate(config)
+    found = []
+    for key, value in items:
+        if value == "auto":
+            found.append(f"{path}{key}")
+        elif isinstance(value, dict | list):
+            found += auto_values(value, f"{path}{key}.")
+    return found
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_configs_pass_deepspeeds_own_parser(stage, tmp_path):
+    """DeepSpeed does not run through Accelerate on CPU processes (see the README), so its configs are checked here
+    the way a GPU run reads them: accelerate parses the yaml, transformers fills the "auto" values from the
+    TrainingArguments and the model, and DeepSpeed's pydantic models, which reject unknown fields, parse the result."""
+    launch = load_config_from_file(str(FSDP_CONFIG.with_name(f"deepspeed_zero{stage}.yaml")))
+    assert launch.distributed_type == DistributedType.DEEPSPEED
+    json_file = REPO / launch.deepspeed_config["deepspeed_config_file"]
+    args = Seq2SeqTrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=8, gradient_accumulation_steps=2, max_grad_norm=0.5
+    )
+    filled = HfTrainerDeepSpeedConfig(str(json_file))
+    filled.trainer_config_process(args)
+    filled.trainer_config_finalize(args, VanillaTransformerForConditionalGeneration(tiny_config()), 100)
+    assert auto_values(filled.config) == []
+    parsed = DeepSpeedConfig(filled.config)
+    assert parsed.zero_optimization_stage == stage
+    assert (parsed.train_batch_size, parsed.gradient_clipping, parsed.optimizer_name) == (16, 0.5, "adamw")
+    assert parsed.zero_config.gather_16bit_weights_on_model_save == (stage == 3)  # save_model gets full weights
+    misspelt = json.loads(json.dumps(filled.config))
+    misspelt["zero_optimization"]["overlap_comms"] = True
+    with pytest.raises(ValueError, match="overlap_comms"):  # the parser would catch a misspelt field
+        DeepSpeedConfig(misspelt)

@@ -38,7 +38,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 INT_MINIMUMS: dict[str, int] = {
     "vocab_size": 1,
     "d_model": 1,
-    "encoder_layers": 0,  # a stack may be empty (e.g. an encoder-decoder whose encoder only embeds)
+    "encoder_layers": 0,  # an encoder may be empty (it then only embeds); a decoder that runs may not (_check_stacks)
     "decoder_layers": 0,
     "encoder_attention_heads": 1,
     "decoder_attention_heads": 1,
@@ -333,8 +333,10 @@ class VanillaTransformerConfig(PreTrainedConfig):
                 type_validator(field.name, value, expected)
             except TypeError as err:
                 raise ValueError(f"{field.name}={value!r} {describe_expected_type(expected)}.") from err
+        check_dtype("dtype", self.dtype)
 
     def _check_ranges(self) -> None:
+        """Numbers inside the range where they mean something (sizes, probabilities, scales), and finite."""
         for name, minimum in INT_MINIMUMS.items():
             value = self.__dict__[name]
             if value is not None and value < minimum:
@@ -347,10 +349,9 @@ class VanillaTransformerConfig(PreTrainedConfig):
             raise ValueError(
                 f"num_experts_per_tok={self.num_experts_per_tok} must be between 1 and num_experts={self.num_experts}."
             )
-        check_dtype("dtype", self.dtype)
 
     def _check_stacks(self) -> None:
-        """Head sizes of the stacks the model runs (the other stack's sizes are unused), and DeepNet's depths."""
+        """Head sizes of the stacks the model runs (the other stack's sizes are unused), and a decoder with layers."""
         given_key_value_heads = self.__dict__["num_key_value_heads"]
         for stack in self.stacks:
             name = f"{stack}_attention_heads"
@@ -364,15 +365,12 @@ class VanillaTransformerConfig(PreTrainedConfig):
                 )
             if given_key_value_heads is not None and heads % given_key_value_heads:
                 raise ValueError(f"{name}={heads} is not divisible by num_key_value_heads={given_key_value_heads}.")
-        if (
-            self.norm_position == "deepnorm"
-            and self.is_encoder_decoder
-            and self.encoder_layers
-            and not self.decoder_layers
-        ):
+        if "decoder" in self.stacks and self.decoder_layers == 0:
             raise ValueError(
-                "norm_position='deepnorm' needs decoder_layers >= 1 when the encoder has layers: DeepNet scales the "
-                "encoder's residuals by 0.81 (N^4 M)^(1/16), which is 0 for M = 0 decoder layers."
+                "decoder_layers must be >= 1 when the decoder runs (encoder-decoder or decoder-only): transformers' "
+                "KV cache counts the decoded length in its layers, so a decoder without layers would decode every "
+                "step at position 0 (and DeepNet's constants divide by its depth). An encoder-only model is "
+                "is_encoder_decoder=False, is_decoder=False."
             )
 
     def _check_token_ids(self) -> None:

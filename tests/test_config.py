@@ -65,9 +65,10 @@ def valid_fields(draw) -> dict[str, Any]:
     }
     common_divisors = [k for k in (1, 2, 4) if all(heads[stack] % k == 0 for stack in used)]
     norm_position = draw(st.sampled_from(["post", "pre", "sandwich", "deepnorm"]))
-    layers = {stack: draw(st.integers(0, 3)) for stack in ("encoder", "decoder")}
-    if norm_position == "deepnorm" and is_encoder_decoder and layers["encoder"]:
-        layers["decoder"] = max(layers["decoder"], 1)  # DeepNet's encoder constants need decoder layers
+    # An encoder may be empty; a decoder that runs needs a layer (the KV cache counts the decoded length in them).
+    layers = {
+        stack: draw(st.integers(int(stack == "decoder" and stack in used), 3)) for stack in ("encoder", "decoder")
+    }
     vocab_size = draw(st.integers(8, 100))
     token_id = st.none() | st.integers(0, vocab_size - 1)
     end_tokens = token_id | st.lists(st.integers(0, vocab_size - 1), min_size=1, max_size=3)
@@ -223,6 +224,8 @@ def edge_invalid_values(fields: dict[str, Any]) -> dict[str, list[Any]]:
         values[name] = [minimum - 1, minimum - 10, "3", 3.0, True, [3]] + ([] if optional else [None])
     for stack in used:  # head counts only have to divide d_model where the stack runs
         values[f"{stack}_attention_heads"] += [d_model + 1, 2 * d_model + 1]
+    if "decoder" in used:
+        values["decoder_layers"].append(0)
     values["num_key_value_heads"] += [k for k in range(2, 10) if any(fields[f"{s}_attention_heads"] % k for s in used)]
     for name, (low, low_allowed, high, optional) in FLOAT_RANGES.items():
         out_of_range = [low - 0.5, low - 1e-9] + ([] if low_allowed else [low, int(low)]) + ([high] if high else [])
@@ -296,7 +299,14 @@ def invalid_fields(draw) -> tuple[dict[str, Any], str]:
     if kind == "combination":
         combinations = [
             (dict(num_experts=2, num_experts_per_tok=3), "num_experts_per_tok"),
-            (dict(ENCODER_DECODER_ANY_HEADS, norm_position="deepnorm", encoder_layers=2, decoder_layers=0), "deepnorm"),
+            (
+                dict(ENCODER_DECODER_ANY_HEADS, norm_position="deepnorm", encoder_layers=2, decoder_layers=0),
+                "decoder_layers",
+            ),
+            (
+                dict(ENCODER_DECODER_ANY_HEADS, is_encoder_decoder=False, is_decoder=True, decoder_layers=0),
+                "decoder_layers",
+            ),
             (dict(output_attentions=True, attn_implementation="sdpa"), "output_attentions"),
             (
                 dict(ENCODER_DECODER_ANY_HEADS, d_model=12, position_embedding_type="rope", encoder_attention_heads=4),
@@ -411,6 +421,7 @@ def test_every_edge_invalid_value_is_refused_naming_its_field(stack_fields, tmp_
         (dict(problem_type="ordinal"), "problem_type"),
         (dict(output_hidden_states="yes"), "output_hidden_states"),
         (dict(norm_position="deepnorm", decoder_layers=0), "decoder_layers"),
+        (dict(DECODER_ONLY, decoder_layers=0), "decoder_layers"),  # cached decoding would stay at position 0
     ],
     ids=lambda value: value if isinstance(value, str) else None,
 )

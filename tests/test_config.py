@@ -17,7 +17,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from transformers import AutoConfig, DynamicCache, EncoderDecoderCache, StaticCache
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, EncoderDecoderCache, StaticCache
 
 from hf_vanilla_transformer import VanillaTransformerConfig, VanillaTransformerForCausalLM
 
@@ -454,6 +454,13 @@ def test_changes_after_construction_are_checked_on_save_and_on_load_overrides(tm
     config.norm_eps = math.nan
     with pytest.raises(ValueError, match="norm_eps"):
         config.save_pretrained(tmp_path)
+
+
+def test_a_model_refuses_a_bad_config_json_before_reading_weights(tmp_path):
+    bad = {**TINY, **DECODER_ONLY, "model_type": "vanilla_transformer", "eos_token_id": [2, 99]}
+    (tmp_path / "config.json").write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match="eos_token_id"):
+        AutoModelForCausalLM.from_pretrained(tmp_path)
 
 
 def test_asking_for_attention_weights_picks_eager_attention():

@@ -8,7 +8,6 @@ values at the edges of their ranges, ints where floats are allowed, the inherite
 
 import json
 import math
-import re
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, Encoder
 from hf_vanilla_transformer import VanillaTransformerConfig, VanillaTransformerForCausalLM
 
 PROPERTY_SETTINGS = settings(
-    max_examples=120, derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    max_examples=120, derandomize=True, database=None, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 
 TINY = dict(
@@ -359,26 +358,21 @@ def as_config_json(fields: dict[str, Any]) -> str | None:
 @given(case=invalid_fields())
 def test_invalid_configs_raise_a_value_error_naming_the_field(case):
     fields, name = case
-    with pytest.raises(ValueError, match=re.escape(name)):
-        VanillaTransformerConfig(**fields)
-    config_json = as_config_json(fields)
-    if config_json is not None:
-        with tempfile.TemporaryDirectory() as directory:
-            Path(directory, "config.json").write_text(config_json)
-            with pytest.raises(ValueError, match=re.escape(name)):
-                AutoConfig.from_pretrained(directory)
+    with tempfile.TemporaryDirectory() as directory:
+        messages = refusals(fields, Path(directory))
+    assert all(name in message for message in messages), messages
 
 
 def refusals(fields: dict[str, Any], directory: Path) -> list[str]:
-    """The ValueError messages for `fields` given to the constructor and read from a config.json ('accepted' for
-    each path that took them)."""
-    messages = []
+    """What the constructor, and `from_pretrained` of a config.json holding `fields`, say about them: the
+    ValueError's message, or 'accepted'."""
+    loads = [lambda: VanillaTransformerConfig(**fields)]
     config_json = as_config_json(fields)
-    for load in [lambda: VanillaTransformerConfig(**fields)] + (
-        []
-        if config_json is None
-        else [lambda: (directory / "config.json").write_text(config_json) and AutoConfig.from_pretrained(directory)]
-    ):
+    if config_json is not None:
+        (directory / "config.json").write_text(config_json)
+        loads.append(lambda: AutoConfig.from_pretrained(directory))
+    messages = []
+    for load in loads:
         try:
             load()
             messages.append("accepted")

@@ -1,7 +1,12 @@
 """hf_vanilla_transformer: the "Attention Is All You Need" Transformer and its variants as a transformers model.
 
-Importing the package registers the config and models with transformers' Auto classes.
+Importing the package registers the config and models with transformers' Auto classes. Converters and exporters load
+on first use (PEP 562): they pull in other models' code and optional dependencies (sentencepiece for Marian's
+tokenizer) that using the model itself does not need.
 """
+
+import importlib
+from typing import Any
 
 from transformers import (
     AutoConfig,
@@ -12,9 +17,6 @@ from transformers import (
 )
 
 from .configuration_vanilla_transformer import VanillaTransformerConfig
-from .convert_llama_vanilla_transformer import convert_llama_to_vanilla_transformer
-from .convert_marian_vanilla_transformer import convert_marian_to_vanilla_transformer
-from .convert_mixtral_vanilla_transformer import convert_mixtral_to_vanilla_transformer
 from .heads_vanilla_transformer import (
     VanillaTransformerForCausalLM,
     VanillaTransformerForConditionalGeneration,
@@ -23,6 +25,13 @@ from .heads_vanilla_transformer import (
 from .hub_vanilla_transformer import push_repository
 from .model_card_vanilla_transformer import build_model_card, write_model_card
 from .modeling_vanilla_transformer import VanillaTransformerModel, VanillaTransformerPreTrainedModel
+
+# Public names imported on first access, and the sibling module defining each.
+LAZY_NAMES: dict[str, str] = {
+    "convert_llama_to_vanilla_transformer": "convert_llama_vanilla_transformer",
+    "convert_marian_to_vanilla_transformer": "convert_marian_vanilla_transformer",
+    "convert_mixtral_to_vanilla_transformer": "convert_mixtral_vanilla_transformer",
+}
 
 AutoConfig.register(VanillaTransformerConfig.model_type, VanillaTransformerConfig, exist_ok=True)
 VanillaTransformerConfig.register_for_auto_class()
@@ -35,6 +44,19 @@ for _auto_class, _model_class in [
     _auto_class.register(VanillaTransformerConfig, _model_class, exist_ok=True)
     _model_class.register_for_auto_class(_auto_class.__name__)  # save_pretrained copies the code files
 
+
+def __getattr__(name: str) -> Any:
+    if name not in LAZY_NAMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{LAZY_NAMES[name]}", __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(LAZY_NAMES))
+
+
 __version__ = "0.1.0"
 __all__ = [
     "VanillaTransformerConfig",
@@ -43,10 +65,8 @@ __all__ = [
     "VanillaTransformerForConditionalGeneration",
     "VanillaTransformerForCausalLM",
     "VanillaTransformerForSequenceClassification",
-    "convert_llama_to_vanilla_transformer",
     "build_model_card",
     "write_model_card",
     "push_repository",
-    "convert_marian_to_vanilla_transformer",
-    "convert_mixtral_to_vanilla_transformer",
+    *LAZY_NAMES,  # loaded on first access by __getattr__
 ]

@@ -11,7 +11,6 @@ the same function:
   layouts, so additive positions (sinusoidal of either layout, learned, none = zeros) are stored as a table of
   `max_position_embeddings` rows computed by our own code (CTranslate2 refuses longer inputs and outputs with a clear
   error); RoPE is CTranslate2's non-interleaved rotary over the whole head with base `rope_theta`;
-- `scale_embedding`, shared source/target embeddings, tied or untied output projection (+ bias), GQA/MQA, biases or none.
 
 Variants CTranslate2 cannot compute exactly raise a `ValueError` naming the config field (`unsupported_fields`).
 
@@ -206,14 +205,14 @@ def stack_options(config: VanillaTransformerConfig, num_heads: int) -> dict[str,
     """The `Transformer{Encoder,Decoder}Spec` arguments shared by both stacks."""
     from ctranslate2.specs import common_spec
 
-    kv_heads = config.num_key_value_heads
+    kv_heads = config.key_value_heads(num_heads)
     options = dict(
         pre_norm=config.norm_position in ("pre", "sandwich"),
         pre_post_layer_norm=config.norm_position == "sandwich",
         activation=getattr(common_spec.Activation, CT2_ACTIVATIONS[config.ffn_type]),
         ffn_glu=config.ffn_type in GATED_FFN_TYPES,
         rms_norm=config.norm_type == "rmsnorm",
-        num_heads_kv=kv_heads if kv_heads is not None and kv_heads != num_heads else None,
+        num_heads_kv=kv_heads if kv_heads != num_heads else None,
     )
     if config.position_embedding_type == "rope":  # rotate-half (GPT-NeoX/Llama) layout over the whole head
         options.update(rotary_dim=0, rotary_interleave=False, rotary_base=config.rope_theta)

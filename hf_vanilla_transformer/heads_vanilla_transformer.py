@@ -4,7 +4,6 @@ The two language-model heads share one pipeline (`TokenPredictionHead`): plan wh
 vocabulary projection must compute, run the stack, project, add the MoE router losses, take the loss.
 """
 
-import copy
 from dataclasses import dataclass
 
 import torch
@@ -260,14 +259,6 @@ class VanillaTransformerForConditionalGeneration(TokenPredictionHead, VanillaTra
         )
 
 
-def single_stack_config(config: VanillaTransformerConfig) -> VanillaTransformerConfig:
-    """A copy of `config` for a decoder-only or encoder-only model: no cross-attention, and generate's causal path.
-    A deep copy keeps the load-time settings (`attn_implementation`, dtype) that `to_dict` would drop."""
-    config = copy.deepcopy(config)
-    config.is_encoder_decoder = False
-    return config
-
-
 class VanillaTransformerForCausalLM(TokenPredictionHead, GenerationMixin):
     """Decoder-only language model (GPT-style): the decoder stack without cross-attention, and a tied LM head."""
 
@@ -275,7 +266,7 @@ class VanillaTransformerForCausalLM(TokenPredictionHead, GenerationMixin):
     _auto_map = {"AutoModelForCausalLM": "heads_vanilla_transformer.VanillaTransformerForCausalLM"}
 
     def __init__(self, config: VanillaTransformerConfig):
-        config = single_stack_config(config)
+        config = config.for_single_stack("decoder")
         super().__init__(config)
         self.model = VanillaTransformerDecoder(config)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=config.lm_head_bias)
@@ -359,7 +350,7 @@ class VanillaTransformerForSequenceClassification(VanillaTransformerPreTrainedMo
     }
 
     def __init__(self, config: VanillaTransformerConfig):
-        config = single_stack_config(config)
+        config = config.for_single_stack("encoder")
         super().__init__(config)
         self.model = VanillaTransformerEncoder(config)
         self.dropout = nn.Dropout(config.classifier_dropout)

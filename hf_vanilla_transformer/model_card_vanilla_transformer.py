@@ -126,7 +126,8 @@ def experts_description(config: PreTrainedConfig) -> str:
 
 def architecture_rows(config: PreTrainedConfig, head: str) -> list[tuple[str, str]]:
     """The card's architecture table: one row per variant axis, with the paper's value marked."""
-    kv_heads = f", {config.num_key_value_heads} key/value heads" if config.num_key_value_heads else ""
+    grouped = config.key_value_heads(config.decoder_attention_heads) != config.decoder_attention_heads
+    kv_heads = f", {config.key_value_heads(config.decoder_attention_heads)} key/value heads" if grouped else ""
     ffn = f"{paper(config.ffn_type, 'relu')}, d_ff = {config.encoder_ffn_dim} / {config.decoder_ffn_dim}"
     if config.ffn_type in GATED_FFN_TYPES:
         ffn += f" (gated hidden size {config.gated_hidden_size(config.encoder_ffn_dim)})"

@@ -98,7 +98,7 @@ class VanillaTransformerAttention(nn.Module):
         self.is_causal = is_causal  # read by the sdpa/flash integrations; False for encoder and cross-attention
         self.is_cross_attention = is_cross_attention
         self.head_dim = config.d_model // num_heads
-        num_key_value_heads = config.num_key_value_heads or num_heads
+        num_key_value_heads = config.key_value_heads(num_heads)
         self.num_key_value_groups = num_heads // num_key_value_heads
         self.scaling = self.head_dim**-0.5  # 1 / sqrt(d_k), §3.2.1
         self.attention_dropout = config.attention_dropout

@@ -248,7 +248,8 @@ def test_exported_causal_lm_equals_eager_at_every_position(variant: str) -> None
     padding positions included (0 there on both paths)."""
     model = build(VanillaTransformerForCausalLM, variant)
     input_ids, attention_mask = padded_batch(batch=2, length=6)
-    inputs = dict(input_ids=input_ids, attention_mask=attention_mask)
+    # No cache: the program returns tensors only (a DynamicCache is no pytree torch.export can return).
+    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
     with torch.no_grad():
         eager = model(**inputs).logits
         program = torch.export.export(model, args=(), kwargs=inputs, strict=False)

@@ -8,10 +8,19 @@ decoding, static cache, `torch.export`, left padding, the position of the logits
 `num_key_value_heads`.
 """
 
+from collections.abc import Callable
+
 import pytest
 import torch
+from conftest import padded_batch, tiny_config
 from transformers import DataCollatorWithFlattening
 from transformers.cache_utils import DynamicCache, EncoderDecoderCache
+from transformers.generation import (
+    GenerateBeamDecoderOnlyOutput,
+    GenerateBeamEncoderDecoderOutput,
+    GenerateDecoderOnlyOutput,
+    GenerateEncoderDecoderOutput,
+)
 
 from hf_vanilla_transformer import (
     VanillaTransformerForCausalLM,
@@ -19,23 +28,28 @@ from hf_vanilla_transformer import (
     VanillaTransformerForSequenceClassification,
 )
 
-from conftest import padded_batch, tiny_config
-
 VARIANTS: dict[str, dict] = {
     "paper": {},
-    "modern": dict(
-        norm_position="pre",
-        norm_type="rmsnorm",
-        ffn_type="swiglu",
-        position_embedding_type="rope",
-        num_key_value_heads=2,
-    ),
-    "moe": dict(num_experts=4, num_experts_per_tok=2),
+    "modern": {
+        "norm_position": "pre",
+        "norm_type": "rmsnorm",
+        "ffn_type": "swiglu",
+        "position_embedding_type": "rope",
+        "num_key_value_heads": 2,
+    },
+    "moe": {"num_experts": 4, "num_experts_per_tok": 2},
 }
 GENERATIVE_HEADS = [VanillaTransformerForConditionalGeneration, VanillaTransformerForCausalLM]
 # One encoder layer against two decoder layers: a size read from the wrong stack shows up as a wrong count.
-SIZES = dict(encoder_layers=1, decoder_layers=2)
+SIZES = {"encoder_layers": 1, "decoder_layers": 2}
 NEW_TOKENS = 3
+# generate's output class, by (encoder-decoder, beam search).
+GENERATE_OUTPUTS = {
+    (False, False): GenerateDecoderOnlyOutput,
+    (False, True): GenerateBeamDecoderOnlyOutput,
+    (True, False): GenerateEncoderDecoderOutput,
+    (True, True): GenerateBeamEncoderDecoderOutput,
+}
 
 
 def build(model_class: type, variant: str, **overrides) -> torch.nn.Module:
@@ -48,12 +62,17 @@ def build(model_class: type, variant: str, **overrides) -> torch.nn.Module:
 def prompt(model: torch.nn.Module, batch: int = 2, length: int = 5) -> dict[str, torch.Tensor]:
     """Generation inputs without padding: the source of an encoder-decoder, the prompt of a causal LM."""
     input_ids = torch.randint(3, model.config.vocab_size, (batch, length), generator=torch.Generator().manual_seed(1))
-    return dict(input_ids=input_ids, attention_mask=torch.ones_like(input_ids))
+    return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
 
 
 def greedy_settings(**overrides) -> dict:
     """Exactly NEW_TOKENS tokens, deterministic, no forced end of sequence."""
-    settings = dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, forced_eos_token_id=None)
+    settings = {
+        "max_new_tokens": NEW_TOKENS,
+        "min_new_tokens": NEW_TOKENS,
+        "do_sample": False,
+        "forced_eos_token_id": None,
+    }
     return {**settings, **overrides}
 
 
@@ -75,13 +94,15 @@ def test_packed_row_gives_each_document_its_own_logits_and_loss(variant: str, at
     transformers finds packed sequences only in a forward without a cache (Llama's as well), hence use_cache=False,
     as in its common test."""
     # The MoE router losses are statistics of the whole batch, not sums over documents: left out of the loss here.
-    no_router_losses = dict(router_aux_loss_coef=0.0, router_z_loss_coef=0.0) if variant == "moe" else {}
+    no_router_losses = {"router_aux_loss_coef": 0.0, "router_z_loss_coef": 0.0} if variant == "moe" else {}
     model = build(VanillaTransformerForCausalLM, variant, attn_implementation=attn_implementation, **no_router_losses)
     generator = torch.Generator().manual_seed(2)
     documents = [torch.randint(3, 64, (length,), generator=generator) for length in (5, 3, 4)]
     packed = DataCollatorWithFlattening(return_tensors="pt")([{"input_ids": doc.tolist()} for doc in documents])
     with torch.no_grad():
-        packed_logits = model(input_ids=packed["input_ids"], position_ids=packed["position_ids"], use_cache=False).logits
+        packed_logits = model(
+            input_ids=packed["input_ids"], position_ids=packed["position_ids"], use_cache=False
+        ).logits
         packed_loss = model(**packed, use_cache=False).loss
         alone_logits = torch.cat([model(input_ids=doc[None]).logits[0] for doc in documents])
         alone_losses = torch.stack([model(input_ids=doc[None], labels=doc[None]).loss for doc in documents])
@@ -94,6 +115,7 @@ def test_packed_row_gives_each_document_its_own_logits_and_loss(variant: str, at
 
 
 def assert_layer_shapes(cache, num_layers: int, expected: tuple[int, ...]) -> None:
+    """`num_layers` layers whose keys and values all have the shape `expected`."""
     assert len(cache.layers) == num_layers
     for layer in cache.layers:
         assert tuple(layer.keys.shape) == expected
@@ -161,6 +183,7 @@ def test_generate_output_dict(model_class: type, variant: str, num_beams: int) -
     encoder_decoder = config.is_encoder_decoder
     # An encoder-decoder's decoder starts from decoder_start_token_id alone.
     start = 1 if encoder_decoder else prompt_length
+    assert type(output) is GENERATE_OUTPUTS[encoder_decoder, num_beams > 1]
     assert tuple(output.sequences.shape) == (batch, start + NEW_TOKENS)
     for scores in (output.scores, output.logits):
         assert len(scores) == NEW_TOKENS
@@ -185,7 +208,7 @@ def test_generate_output_dict(model_class: type, variant: str, num_beams: int) -
     assert all(len(step) == layers + 1 for step in hidden_states)
     if num_beams > 1:
         assert tuple(output.sequences_scores.shape) == (batch,)
-        assert output.beam_indices.shape[0] == batch
+        assert tuple(output.beam_indices.shape) == (batch, NEW_TOKENS)
     # The cache holds every token but the last generated one, which no forward has read yet.
     cache = output.past_key_values
     if encoder_decoder:
@@ -206,7 +229,7 @@ def test_assisted_prompt_lookup_and_static_cache_decode_like_greedy(model_class:
     # Batch 1: assisted and prompt-lookup decoding refuse larger batches. A repeated n-gram gives prompt lookup
     # candidates to verify.
     input_ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 9]])
-    inputs = dict(input_ids=input_ids, attention_mask=torch.ones_like(input_ids))
+    inputs = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
     settings = greedy_settings(max_new_tokens=6, min_new_tokens=6)
     greedy = model.generate(**inputs, **settings)
     assert torch.equal(model.generate(**inputs, assistant_model=model, **settings), greedy)
@@ -239,37 +262,63 @@ def test_left_padding_gives_each_row_its_unpadded_result(variant: str) -> None:
         assert torch.equal(generated[index, width:], row_alone[0, len(row) :])
 
 
-# --- torch.export ---------------------------------------------------------------------------------------------------
+# --- torch.export and torch.compile ---------------------------------------------------------------------------------
+
+
+def right_padded_inputs() -> dict:
+    """A right-padded batch for one forward without a cache: a program returns tensors only (a DynamicCache is no
+    pytree torch.export can return)."""
+    input_ids, attention_mask = padded_batch(batch=2, length=6)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "use_cache": False}
+
+
+def assert_equals_eager_everywhere(model: torch.nn.Module, traced: Callable, inputs: dict) -> None:
+    """`traced` gives eager's logits at every position, 0 at the padding included."""
+    with torch.no_grad():
+        eager = model(**inputs).logits
+        logits = traced(**inputs).logits
+    assert (eager[inputs["attention_mask"] == 0] == 0).all()
+    torch.testing.assert_close(logits, eager, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_exported_causal_lm_equals_eager_at_every_position(variant: str) -> None:
-    """`torch.export` of the decoder-only forward (fixed shapes, right padding) gives eager's logits everywhere,
-    padding positions included (0 there on both paths)."""
+    """`torch.export` of the decoder-only forward (fixed shapes) is eager's function, padding positions included."""
     model = build(VanillaTransformerForCausalLM, variant)
-    input_ids, attention_mask = padded_batch(batch=2, length=6)
-    # No cache: the program returns tensors only (a DynamicCache is no pytree torch.export can return).
-    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    inputs = right_padded_inputs()
     with torch.no_grad():
-        eager = model(**inputs).logits
         program = torch.export.export(model, args=(), kwargs=inputs, strict=False)
-        exported = program.module()(**inputs).logits
-    assert (eager[attention_mask == 0] == 0).all()
-    torch.testing.assert_close(exported, eager, atol=1e-5, rtol=1e-5)
+    assert_equals_eager_everywhere(model, program.module(), inputs)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_compiled_causal_lm_equals_eager_at_every_position(variant: str) -> None:
+    """`torch.compile(fullgraph=True)`: one graph, eager's logits at every position. The aot_eager backend traces
+    what inductor would compile, without the C++ build time."""
+    model = build(VanillaTransformerForCausalLM, variant)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    assert_equals_eager_everywhere(model, compiled, right_padded_inputs())
 
 
 # --- output layout and config conventions ---------------------------------------------------------------------------
 
 
-def classification_inputs(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def padded_inputs(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A right-padded batch, with a shorter target for an encoder-decoder."""
     input_ids, attention_mask = padded_batch()
-    inputs = dict(input_ids=input_ids, attention_mask=attention_mask)
+    inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
     if model.config.is_encoder_decoder:
         inputs["decoder_input_ids"] = input_ids[:, :4]
     return inputs
 
 
 MOE_HEADS = [*GENERATIVE_HEADS, VanillaTransformerForSequenceClassification]
+ROUTER_OUTPUTS = (
+    "aux_loss",
+    "z_loss",
+    "router_logits",
+    *(f"{stack}_{kind}" for stack in ("encoder", "decoder") for kind in ("aux_loss", "z_loss", "router_logits")),
+)
 
 
 @pytest.mark.parametrize("model_class", MOE_HEADS)
@@ -277,7 +326,7 @@ def test_moe_outputs_start_with_the_logits_in_every_mode(model_class: type) -> N
     """Without labels and without `output_router_logits`, `outputs[0]` and the tuple's first element are the logits
     in training and evaluation, with and without gradients; no router loss is returned."""
     model = build(model_class, "moe")
-    inputs = classification_inputs(model)
+    inputs = padded_inputs(model)
     reference = None
     for training in (True, False):
         model.train(training)  # dropout is 0: both modes compute the same logits
@@ -288,14 +337,14 @@ def test_moe_outputs_start_with_the_logits_in_every_mode(model_class: type) -> N
             reference = output.logits if reference is None else reference
             assert output[0] is output.logits
             torch.testing.assert_close(as_tuple[0], reference)
-            assert all(getattr(output, name, None) is None for name in ("aux_loss", "z_loss", "encoder_aux_loss"))
+            assert all(getattr(output, name, None) is None for name in ROUTER_OUTPUTS)
 
 
 @pytest.mark.parametrize("model_class", GENERATIVE_HEADS)
 def test_moe_config_output_router_logits_is_the_forward_default(model_class: type) -> None:
     """`config.output_router_logits=True` returns router logits and losses unless the call says False."""
     model = build(model_class, "moe", output_router_logits=True)
-    inputs = classification_inputs(model)
+    inputs = padded_inputs(model)
     with torch.no_grad():
         asked = model(**inputs)
         declined = model(**inputs, output_router_logits=False)

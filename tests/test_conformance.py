@@ -13,7 +13,7 @@ from collections.abc import Callable
 import pytest
 import torch
 from conftest import padded_batch, tiny_config
-from transformers import DataCollatorWithFlattening
+from transformers import AutoModel, DataCollatorWithFlattening
 from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 from transformers.generation import (
     GenerateBeamDecoderOnlyOutput,
@@ -40,6 +40,7 @@ VARIANTS: dict[str, dict] = {
     "moe": {"num_experts": 4, "num_experts_per_tok": 2},
 }
 GENERATIVE_HEADS = [VanillaTransformerForConditionalGeneration, VanillaTransformerForCausalLM]
+HEADS = [*GENERATIVE_HEADS, VanillaTransformerForSequenceClassification]
 # One encoder layer against two decoder layers: a size read from the wrong stack shows up as a wrong count.
 SIZES = {"encoder_layers": 1, "decoder_layers": 2}
 NEW_TOKENS = 3
@@ -63,6 +64,15 @@ def prompt(model: torch.nn.Module, batch: int = 2, length: int = 5) -> dict[str,
     """Generation inputs without padding: the source of an encoder-decoder, the prompt of a causal LM."""
     input_ids = torch.randint(3, model.config.vocab_size, (batch, length), generator=torch.Generator().manual_seed(1))
     return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
+
+
+def padded_inputs(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A right-padded batch, with a shorter target for an encoder-decoder."""
+    input_ids, attention_mask = padded_batch()
+    inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
+    if model.config.is_encoder_decoder:
+        inputs["decoder_input_ids"] = input_ids[:, :4]
+    return inputs
 
 
 def greedy_settings(**overrides) -> dict:
@@ -303,16 +313,6 @@ def test_compiled_causal_lm_equals_eager_at_every_position(variant: str) -> None
 # --- output layout and config conventions ---------------------------------------------------------------------------
 
 
-def padded_inputs(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """A right-padded batch, with a shorter target for an encoder-decoder."""
-    input_ids, attention_mask = padded_batch()
-    inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
-    if model.config.is_encoder_decoder:
-        inputs["decoder_input_ids"] = input_ids[:, :4]
-    return inputs
-
-
-MOE_HEADS = [*GENERATIVE_HEADS, VanillaTransformerForSequenceClassification]
 ROUTER_OUTPUTS = (
     "aux_loss",
     "z_loss",
@@ -321,7 +321,7 @@ ROUTER_OUTPUTS = (
 )
 
 
-@pytest.mark.parametrize("model_class", MOE_HEADS)
+@pytest.mark.parametrize("model_class", HEADS)
 def test_moe_outputs_start_with_the_logits_in_every_mode(model_class: type) -> None:
     """Without labels and without `output_router_logits`, `outputs[0]` and the tuple's first element are the logits
     in training and evaluation, with and without gradients; no router loss is returned."""
@@ -355,10 +355,42 @@ def test_moe_config_output_router_logits_is_the_forward_default(model_class: typ
     assert declined[0] is declined.logits
 
 
-@pytest.mark.parametrize("model_class", MOE_HEADS)
+@pytest.mark.parametrize("model_class", HEADS)
 def test_num_key_value_heads_is_the_head_count_unless_given(model_class: type) -> None:
     """transformers' configs fill `num_key_value_heads` with the head count; a given value is kept."""
     config = build(model_class, "paper").config
     assert type(config.num_key_value_heads) is int
     assert config.num_key_value_heads == config.num_attention_heads
     assert build(model_class, "modern").config.num_key_value_heads == 2
+
+
+# --- AutoModel: the base model of every head's checkpoint ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model_class", HEADS)
+def test_auto_model_loads_the_trained_base_model_of_every_head(model_class: type, tmp_path) -> None:
+    """`AutoModel.from_pretrained` of a head's checkpoint finds every weight of the base model and computes what the
+    head's own base model computes (a head-only weight such as the classifier may be left over)."""
+    model = build(model_class, "modern")
+    model.save_pretrained(tmp_path)
+    base, loading = AutoModel.from_pretrained(tmp_path, output_loading_info=True)
+    assert not loading["missing_keys"] and not loading["mismatched_keys"]
+    inputs = padded_inputs(model)
+    with torch.no_grad():
+        expected = model.model(**inputs).last_hidden_state
+        loaded = base.eval()(**inputs).last_hidden_state
+    torch.testing.assert_close(loaded, expected)
+
+
+@pytest.mark.parametrize("model_class", HEADS)
+def test_auto_model_refuses_mismatched_sizes_unless_told_to_ignore_them(model_class: type, tmp_path) -> None:
+    """A checkpoint whose shapes differ from the config raises, naming `ignore_mismatched_sizes`; with it the
+    mismatched weights are reported and initialised at the config's shape."""
+    build(model_class, "paper").save_pretrained(tmp_path)
+    with pytest.raises(RuntimeError, match="ignore_mismatched_sizes"):
+        AutoModel.from_pretrained(tmp_path, vocab_size=80)
+    base, loading = AutoModel.from_pretrained(
+        tmp_path, vocab_size=80, ignore_mismatched_sizes=True, output_loading_info=True
+    )
+    assert loading["mismatched_keys"]
+    assert base.get_input_embeddings().num_embeddings == 80

@@ -25,7 +25,6 @@ from transformers.utils import TransformersKwargs, can_return_tuple
 from .configuration_vanilla_transformer import VanillaTransformerConfig
 from .generation_vanilla_transformer import VanillaTransformerGenerationMixin
 from .modeling_vanilla_transformer import (
-    SEQ2SEQ_AUTO_MAP,
     VanillaTransformerDecoder,
     VanillaTransformerEncoder,
     VanillaTransformerModel,
@@ -160,7 +159,7 @@ class VanillaTransformerForConditionalGeneration(TokenPredictionHead, VanillaTra
     """
 
     _tied_weights_keys = {"lm_head.weight": "model.shared.weight"}
-    _auto_map = SEQ2SEQ_AUTO_MAP
+    _auto_map = {"AutoModelForSeq2SeqLM": "heads_vanilla_transformer.VanillaTransformerForConditionalGeneration"}
 
     def __init__(self, config: VanillaTransformerConfig):
         super().__init__(config)

@@ -11,6 +11,7 @@ from typing import Literal
 
 import torch
 from torch import nn
+from transformers import PreTrainedConfig
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
 from transformers.integrations.moe import use_experts_implementation
@@ -46,6 +47,9 @@ from .packing_vanilla_transformer import PackedTokens, token_mask_of
 from .positions_vanilla_transformer import POSITION_EMBEDDINGS
 
 Stack = Literal["encoder", "decoder"]
+
+# The from_pretrained arguments that say where a checkpoint is, to read its config before choosing the class.
+HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder", "trust_remote_code")
 
 
 def checked_token_mask(mask: torch.Tensor | None, expected_shape: tuple[int, ...], name: str) -> torch.Tensor | None:
@@ -384,6 +388,7 @@ class VanillaTransformerPreTrainedModel(PreTrainedModel):
         (transformers writes only the saved class's entry)."""
         self.config.auto_map = {
             "AutoConfig": "configuration_vanilla_transformer.VanillaTransformerConfig",
+            "AutoModel": "modeling_vanilla_transformer.VanillaTransformerModel",  # dispatches on the config
             **self._auto_map,
         }
 
@@ -439,9 +444,17 @@ class VanillaTransformerStack(VanillaTransformerPreTrainedModel):
         output_hidden_states = kwargs.get("output_hidden_states", self.config.output_hidden_states)
         return packed_tokens is not None and self.config.padding_free and not output_hidden_states
 
-    def unpacked(self, hidden_states: torch.Tensor, packed_tokens: PackedTokens | None) -> torch.Tensor:
-        """The stack's output in the (batch, length, d_model) layout its caller expects; 0 at the padding."""
-        return packed_tokens.unpack(hidden_states) if hidden_states.dim() == 2 else hidden_states
+    def padded_output(
+        self, hidden_states: torch.Tensor, packed_tokens: PackedTokens | None, token_mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The stack's output in the (batch, length, d_model) layout its caller expects, 0 at the positions outside
+        `token_mask` (padding): the same values whether the layers ran packed or not (padding_free=False,
+        torch.compile, torch.export), so that every path can be compared with every other."""
+        if hidden_states.dim() == 2:
+            return packed_tokens.unpack(hidden_states)
+        if token_mask is None:
+            return hidden_states
+        return hidden_states * token_mask.unsqueeze(-1).to(hidden_states.dtype)
 
 
 class VanillaTransformerEncoder(VanillaTransformerStack):
@@ -484,7 +497,7 @@ class VanillaTransformerEncoder(VanillaTransformerStack):
         for layer in self.layers:
             hidden_states = layer(hidden_states, attention_mask, rotary, packed_tokens=packed_tokens, **kwargs)
         hidden_states = self.final_norm(hidden_states)
-        return MoeEncoderOutput(last_hidden_state=self.unpacked(hidden_states, packed_tokens))
+        return MoeEncoderOutput(last_hidden_state=self.padded_output(hidden_states, packed_tokens, token_mask))
 
 
 class VanillaTransformerDecoder(VanillaTransformerStack):
@@ -582,21 +595,22 @@ class VanillaTransformerDecoder(VanillaTransformerStack):
             )
         hidden_states = self.final_norm(hidden_states)
         return MoeDecoderOutput(
-            last_hidden_state=self.unpacked(hidden_states, packed_tokens), past_key_values=past_key_values
+            last_hidden_state=self.padded_output(hidden_states, packed_tokens, token_mask),
+            past_key_values=past_key_values,
         )
 
 
-SEQ2SEQ_AUTO_MAP = {
-    "AutoModel": "modeling_vanilla_transformer.VanillaTransformerModel",
-    "AutoModelForSeq2SeqLM": "heads_vanilla_transformer.VanillaTransformerForConditionalGeneration",
-}
+def base_model_class(config: VanillaTransformerConfig) -> type[VanillaTransformerPreTrainedModel]:
+    """The base model of a checkpoint: the encoder-decoder, or the one stack a decoder-only (`is_decoder`) or
+    encoder-only model runs, which its heads keep as `model`."""
+    if config.is_encoder_decoder:
+        return VanillaTransformerModel
+    return VanillaTransformerDecoder if config.is_decoder else VanillaTransformerEncoder
 
 
 class VanillaTransformerModel(VanillaTransformerPreTrainedModel):
     """Encoder-decoder without a head. `shared` is the target embedding, and also the source one by default (§3.4)."""
 
-    # AutoModel only: saving this class copies this file and its imports, which do not include the heads module.
-    _auto_map = {"AutoModel": SEQ2SEQ_AUTO_MAP["AutoModel"]}
     _tied_weights_keys = {
         "decoder.embed_tokens.weight": "shared.weight",
         "encoder.embed_tokens.weight": "shared.weight",
@@ -612,6 +626,28 @@ class VanillaTransformerModel(VanillaTransformerPreTrainedModel):
         self.set_input_embeddings(self.shared)
         self._set_auto_map()
         self.post_init()
+
+    # `AutoModel` maps the config class to this one class; for a decoder-only or encoder-only checkpoint it must give
+    # the stack that checkpoint was trained with (as AutoModel gives LlamaModel for a Llama checkpoint), whose weights
+    # the head saved under `model.`, the base model prefix.
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, config=None, **kwargs):
+        if cls is VanillaTransformerModel:
+            probe = config
+            if not isinstance(probe, PreTrainedConfig):
+                hub_kwargs = {key: kwargs[key] for key in HUB_KWARGS if key in kwargs}
+                probe = cls.config_class.from_pretrained(pretrained_model_name_or_path, **hub_kwargs)
+            base_class = base_model_class(probe)
+            if base_class is not cls:
+                return base_class.from_pretrained(pretrained_model_name_or_path, *model_args, config=config, **kwargs)
+        return super().from_pretrained(pretrained_model_name_or_path, *model_args, config=config, **kwargs)
+
+    @classmethod
+    def _from_config(cls, config: VanillaTransformerConfig, **kwargs):
+        base_class = base_model_class(config) if cls is VanillaTransformerModel else cls
+        if base_class is not cls:
+            return base_class._from_config(config, **kwargs)
+        return super()._from_config(config, **kwargs)
 
     def get_expanded_tied_weights_keys(self, all_submodels: bool = False) -> dict:
         # Source/target sharing is its own switch (share_encoder_decoder_embeddings); transformers' generic mapping

@@ -26,7 +26,7 @@ from huggingface_hub.file_download import repo_folder_name
 from huggingface_hub.utils.sha import git_hash
 from safetensors.torch import load
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
-from transformers import PreTrainedTokenizerFast
+from transformers import AutoModel, PreTrainedTokenizerFast
 
 import hf_vanilla_transformer
 from hf_vanilla_transformer import (
@@ -48,8 +48,8 @@ WORDS = "the a cat dog sat on mat ran to house red blue big small one two three 
 EXPECTED_AUTO_MAP = {
     VanillaTransformerModel: {"AutoConfig", "AutoModel"},  # the heads file does not travel with a base model
     VanillaTransformerForConditionalGeneration: {"AutoConfig", "AutoModel", "AutoModelForSeq2SeqLM"},
-    VanillaTransformerForCausalLM: {"AutoConfig", "AutoModelForCausalLM"},
-    VanillaTransformerForSequenceClassification: {"AutoConfig", "AutoModelForSequenceClassification"},
+    VanillaTransformerForCausalLM: {"AutoConfig", "AutoModel", "AutoModelForCausalLM"},
+    VanillaTransformerForSequenceClassification: {"AutoConfig", "AutoModel", "AutoModelForSequenceClassification"},
 }
 
 
@@ -338,3 +338,28 @@ def test_offline_pull_from_hub_cache_without_the_package(hub, tmp_path, seq2seq)
     assert set(pulled["loading"]) == EXPECTED_AUTO_MAP[head] - {"AutoConfig"}
     for auto_class, (module, missing, unexpected) in pulled["loading"].items():
         assert module.startswith("transformers_modules.") and missing == [] and unexpected == [], auto_class
+
+
+@pytest.mark.parametrize(
+    "head, base",
+    [
+        (VanillaTransformerForConditionalGeneration, "VanillaTransformerModel"),
+        (VanillaTransformerForCausalLM, "VanillaTransformerDecoder"),
+        (VanillaTransformerForSequenceClassification, "VanillaTransformerEncoder"),
+    ],
+    ids=["seq2seq", "causal", "classifier"],
+)
+def test_auto_model_loads_the_trained_base_model_of_every_head(tmp_path, head, base):
+    """AutoModel gives the base model a head was trained with, every weight loaded (as LlamaModel from a Llama
+    checkpoint); a single-stack checkpoint's base is its stack, saved under the `model.` prefix."""
+    torch.manual_seed(0)
+    model = head(tiny_config(num_labels=3)).eval()
+    model.save_pretrained(tmp_path)
+    loaded, info = AutoModel.from_pretrained(tmp_path, output_loading_info=True)
+    assert type(loaded).__name__ == base
+    assert not info["missing_keys"] and not info["mismatched_keys"], info
+    expected = dict(model.model.named_parameters())
+    assert dict(loaded.named_parameters()).keys() == expected.keys()
+    for name, parameter in loaded.named_parameters():
+        assert torch.equal(parameter, expected[name]), name
+    assert type(AutoModel.from_config(model.config)).__name__ == base

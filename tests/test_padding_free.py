@@ -234,3 +234,24 @@ def test_moe_causal_lm_balances_the_same_tokens_packed_or_not(with_attention_mas
     torch.testing.assert_close(outputs[0].aux_loss, outputs[1].aux_loss)
     torch.testing.assert_close(outputs[0].z_loss, outputs[1].z_loss)
     torch.testing.assert_close(outputs[0].loss, outputs[1].loss, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("variant", ["paper", "moe-capacity-shared"])
+def test_padded_computation_returns_zeros_at_the_padding_too(variant):
+    """Every path gives the same value at every position, padding included (0): padding-free layers, the padded
+    computation (also what torch.compile and torch.export run), so outputs of any two paths compare exactly."""
+    packed, padded = padded_pair(VanillaTransformerForConditionalGeneration, **VARIANTS[variant])
+    source, source_mask, labels = translation_batch()
+    decoder_mask = positions_the_loss_needs(labels != -100, None).long()
+    inputs = dict(
+        input_ids=source,
+        attention_mask=source_mask,
+        decoder_input_ids=packed.prepare_decoder_input_ids_from_labels(labels),
+        decoder_attention_mask=decoder_mask,
+    )
+    with torch.no_grad():
+        packed_out, padded_out = (model.eval().model(**inputs) for model in (packed, padded))
+    assert padded_out.encoder_last_hidden_state[source_mask == 0].abs().max() == 0
+    assert padded_out.last_hidden_state[decoder_mask == 0].abs().max() == 0
+    torch.testing.assert_close(packed_out.encoder_last_hidden_state, padded_out.encoder_last_hidden_state)
+    torch.testing.assert_close(packed_out.last_hidden_state, padded_out.last_hidden_state)

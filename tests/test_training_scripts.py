@@ -206,9 +206,10 @@ def test_bad_arguments_raise_value_errors(tmp_path):
 
 
 def test_accelerate_launch_two_cpu_processes(tmp_path):
-    """`accelerate launch --num_processes 2 --cpu` (gloo) runs the seq2seq script to the end."""
+    """`accelerate launch --multi_gpu --num_processes 2` on a machine without GPU runs two CPU ranks (gloo) through
+    the seq2seq script to the end (`--cpu` would start accelerate's single-process launcher, one rank)."""
     output_dir = tmp_path / "ddp"
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2"]
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
     command += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
     command += [str(TRAINING_DIR / "train_seq2seq.py"), *SEQ2SEQ_DEMO, "--output_dir", str(output_dir)]
     command += ["--do_train", "--do_eval", "--max_steps", "4", "--per_device_train_batch_size", "8"]

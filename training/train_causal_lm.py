@@ -18,12 +18,14 @@ import transformers
 from datasets import DatasetDict, load_dataset
 from demo_data import arithmetic_text_dataset
 from run_common import (
+    FsdpTrainerMixin,
     ModelArguments,
     NoamArguments,
     NoamTrainerMixin,
     check_model_arguments,
     load_local_files,
     new_model_config,
+    run_ranks_on_cpu_without_accelerator,
     save_run,
 )
 from train_tokenizer import train_bpe_tokenizer
@@ -65,7 +67,7 @@ class PaperTrainingArguments(NoamArguments, TrainingArguments):
     """TrainingArguments with the paper's optimiser and schedule as defaults."""
 
 
-class PaperTrainer(NoamTrainerMixin, Trainer):
+class PaperTrainer(NoamTrainerMixin, FsdpTrainerMixin, Trainer):
     """Trainer with the Noam schedule."""
 
 
@@ -87,6 +89,7 @@ def pack_into_blocks(examples: dict[str, list], block_size: int) -> dict[str, li
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
+    run_ranks_on_cpu_without_accelerator()
     parser = HfArgumentParser((ModelArguments, DataArguments, PaperTrainingArguments))
     model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=argv)
     check_model_arguments(model_args)

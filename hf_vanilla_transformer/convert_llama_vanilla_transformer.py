@@ -75,6 +75,7 @@ def llama_config_to_vanilla_transformer(config) -> VanillaTransformerConfig:
         scale_embedding=False,  # Llama does not multiply embeddings by sqrt(d_model)
         tie_word_embeddings=config.tie_word_embeddings,
         is_encoder_decoder=False,
+        is_decoder=True,
         pad_token_id=config.pad_token_id,
         bos_token_id=config.bos_token_id,
         eos_token_id=config.eos_token_id,

@@ -559,12 +559,14 @@ class VanillaTransformerDecoder(VanillaTransformerStack):
             if isinstance(past_key_values, EncoderDecoderCache)
             else past_key_values
         )
-        # position_ids let transformers find packed sequences (restarting at 0) and keep each one to itself.
+        # position_ids let transformers find packed sequences (restarting at 0) and keep each one to itself, which it
+        # does only without a cache; a dynamic cache this forward starts empty changes nothing else in the mask.
+        starts_dynamic_cache = past_length == 0 and type(self_attention_cache) is DynamicCache
         attention_mask = create_causal_mask(
             config=self.config,
             inputs_embeds=inputs_embeds,
             attention_mask=attention_mask,
-            past_key_values=self_attention_cache,
+            past_key_values=None if starts_dynamic_cache else self_attention_cache,
             position_ids=position_ids,
         )
         if encoder_hidden_states is not None:

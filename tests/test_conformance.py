@@ -101,12 +101,12 @@ def decoder_sizes(config) -> tuple[int, int, int, int]:
 def test_packed_row_gives_each_document_its_own_logits_and_loss(variant: str, attn_implementation: str) -> None:
     """Documents packed in one row by `DataCollatorWithFlattening` (position ids restarting at 0) attend to
     themselves only: each gets the logits it has alone, and the training loss of the row is the token-weighted mean
-    of theirs. transformers finds packed sequences only in a forward without a cache (Llama's as well): the model is
-    set up as the Trainer sets it (`TrainingArguments.use_cache` is False), as in transformers' common test."""
+    of theirs, with the default `use_cache=True` as with the Trainer's `use_cache=False`. (transformers finds packed
+    sequences only in a forward without a cache, so with Llama's defaults they attend across documents; the decoder
+    does not let the cache it starts hide them.)"""
     # The MoE router losses are statistics of the whole batch, not sums over documents: left out of the loss here.
     no_router_losses = {"router_aux_loss_coef": 0.0, "router_z_loss_coef": 0.0} if variant == "moe" else {}
     model = build(VanillaTransformerForCausalLM, variant, attn_implementation=attn_implementation, **no_router_losses)
-    model.config.use_cache = False
     generator = torch.Generator().manual_seed(2)
     documents = [torch.randint(3, 64, (length,), generator=generator) for length in (5, 3, 4)]
     packed = DataCollatorWithFlattening(return_tensors="pt")([{"input_ids": doc.tolist()} for doc in documents])
@@ -117,6 +117,9 @@ def test_packed_row_gives_each_document_its_own_logits_and_loss(variant: str, at
         packed_loss = model(**packed).loss
         alone_losses = torch.stack([model(input_ids=doc[None], labels=doc[None]).loss for doc in documents])
     torch.testing.assert_close(packed_logits[0], alone_logits, atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        uncached = model(input_ids=packed["input_ids"], position_ids=packed["position_ids"], use_cache=False).logits
+    torch.testing.assert_close(uncached, packed_logits, atol=1e-6, rtol=1e-6)
     predicted_tokens = torch.tensor([len(doc) - 1 for doc in documents], dtype=torch.float32)
     torch.testing.assert_close(packed_loss, (alone_losses * predicted_tokens).sum() / predicted_tokens.sum())
 

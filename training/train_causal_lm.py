@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             model_args.model_name_or_path, trust_remote_code=model_args.trust_remote_code
         )
     else:
-        config = new_model_config(model_args, tokenizer, is_encoder_decoder=False)
+        config = new_model_config(model_args, tokenizer, is_encoder_decoder=False, is_decoder=True)
         model = AutoModelForCausalLM.from_config(config)
 
     def tokenize(batch):  # each text ends with </s> (the tokenizer's post-processor), which separates packed texts

@@ -68,6 +68,40 @@ def time_alternating(
     return ABTiming(seconds["a"], seconds["b"])
 
 
+def time_round_robin(
+    runs: dict[str, Callable[[], object]], repeats: int, clock: str = "wall", warmup: int = 1
+) -> dict[str, list[float]]:
+    """Seconds per call of several candidates, timed in rounds that call each once, the order rotating every round
+    (so none is always first after the previous one warmed or cooled the caches), after `warmup` calls of each."""
+    now = CLOCKS[clock]
+    for _ in range(warmup):
+        for run in runs.values():
+            run()
+    names = list(runs)
+    seconds: dict[str, list[float]] = {name: [] for name in names}
+    for round_idx in range(repeats):
+        shift = round_idx % len(names)
+        for name in names[shift:] + names[:shift]:
+            start = now()
+            runs[name]()
+            seconds[name].append(now() - start)
+    return seconds
+
+
+def memory_bandwidth(clock: str = "wall", gib: int = 1, repeats: int = 5) -> float:
+    """Bytes/s of reading a `gib` GiB float32 tensor (its sum), the best of `repeats`: what one decoding step can
+    stream its weights at, on this machine and under its current load."""
+    now = CLOCKS[clock]
+    tensor = torch.ones(gib * 2**28)
+    tensor.sum()
+    seconds = []
+    for _ in range(repeats):
+        start = now()
+        tensor.sum()
+        seconds.append(now() - start)
+    return gib * 2**30 / min(seconds)
+
+
 def peak_memory_bytes(run: Callable[[], object], persistent_bytes: int, device: torch.device) -> int:
     """Peak bytes of live tensors while `run()` executes, counting `persistent_bytes` that exist before it.
 

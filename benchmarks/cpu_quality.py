@@ -19,10 +19,10 @@ import torch
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "training"))
-from demo_data import number_translation_dataset  # noqa: E402
-from show_examples import translate  # noqa: E402
+from demo_data import number_translation_dataset
+from show_examples import translate
 
-from hf_vanilla_transformer.cpu_inference_vanilla_transformer import PRECISIONS, optimize_for_cpu_inference  # noqa: E402
+from hf_vanilla_transformer.cpu_inference_vanilla_transformer import PRECISIONS, optimize_for_cpu_inference
 
 
 def quality(model_dir: str, num_sentences: int, validation_size: int) -> dict:

@@ -88,17 +88,21 @@ def time_round_robin(
     return seconds
 
 
-def memory_bandwidth(clock: str = "wall", gib: int = 1, repeats: int = 5) -> float:
-    """Bytes/s of reading a `gib` GiB float32 tensor (its sum), the best of `repeats`: what one decoding step can
-    stream its weights at, on this machine and under its current load."""
+def memory_bandwidth(clock: str = "wall", gib: int = 1, repeats: int = 4) -> float:
+    """Bytes/s at which this process reads a `gib` GiB float32 tensor: the best of summing it and of multiplying one
+    row by it seen as a row-major square matrix (the access of a one-row decoding step), best of `repeats`. What a
+    decoding step can stream its weights at, on this machine and under its current load."""
     now = CLOCKS[clock]
     tensor = torch.ones(gib * 2**28)
-    tensor.sum()
+    side = int(tensor.numel() ** 0.5)
+    matrix, row = tensor[: side * side].view(side, side), torch.ones(1, side)
     seconds = []
-    for _ in range(repeats):
-        start = now()
-        tensor.sum()
-        seconds.append(now() - start)
+    for read in (tensor.sum, lambda: row @ matrix):
+        read()
+        for _ in range(repeats):
+            start = now()
+            read()
+            seconds.append(now() - start)
     return gib * 2**30 / min(seconds)
 
 

@@ -13,6 +13,7 @@ in the same run, the weight bytes one decoding step reads in each precision, and
 
 import argparse
 import copy
+import importlib.util
 import json
 import statistics
 import tempfile
@@ -124,7 +125,9 @@ def cpu_decoding_section(repeats: int, new_tokens: int = 64, source_len: int = 2
         for threads, clock in settings:
             torch.set_num_threads(threads)
             bandwidth = memory_bandwidth(clock)
-            translators = ctranslate2_translators(marian, threads, Path(directory))
+            # CTranslate2 is an optional extra: without it the table has the torch rows only.
+            has_ct2 = importlib.util.find_spec("ctranslate2") is not None
+            translators = ctranslate2_translators(marian, threads, Path(directory)) if has_ct2 else {}
             for batch, beams in shapes:
                 source = torch.randint(
                     3, marian.config.vocab_size - 1, (batch, source_len), generator=torch.Generator().manual_seed(5)

@@ -137,6 +137,7 @@ def cpu_decoding_section(repeats: int, new_tokens: int = 64, source_len: int = 2
                 runs |= {f"ct2_{q}": ct2_runner(t, source_tokens, beams, new_tokens) for q, t in translators.items()}
                 reference = runs["ours_float32"]()
                 same_tokens = bool(torch.equal(reference, runs["hf_marian_float32"]()))
+                print(f"timing batch {batch}, beams {beams}, {threads} thread(s) ...", flush=True)
                 seconds = time_round_robin(runs, repeats, clock)
                 tokens = batch * new_tokens
                 speed = {name: tokens / statistics.median(times) for name, times in seconds.items()}

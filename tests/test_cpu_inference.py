@@ -34,7 +34,9 @@ def generated(model, input_ids, attention_mask, num_beams: int) -> torch.Tensor:
         )
 
 
-@pytest.mark.parametrize("overrides", [{}, {"ffn_type": "swiglu", "use_bias": False, "norm_position": "pre", "num_key_value_heads": 2}])
+@pytest.mark.parametrize(
+    "overrides", [{}, {"ffn_type": "swiglu", "use_bias": False, "norm_position": "pre", "num_key_value_heads": 2}]
+)
 def test_float32_keeps_logits_and_tokens(overrides):
     model, optimized = model_and_optimized("float32", **overrides)
     input_ids, attention_mask = padded_batch()

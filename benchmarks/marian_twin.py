@@ -19,6 +19,8 @@ SIZES: dict[str, tuple[int, int, int, int, int]] = {
     "small": (256, 3, 4, 1024, 8000),
     "transformer-base": (512, 6, 8, 2048, 37000),
 }
+# Sizes only the CPU decoding comparison uses: transformer-base with a 32000-token vocabulary.
+DECODING_SIZES: dict[str, tuple[int, int, int, int, int]] = {"transformer-base-32k": (512, 6, 8, 2048, 32000)}
 
 # Our parameter names -> Marian's (a name not matched is the same in both).
 RENAMES = [
@@ -30,7 +32,7 @@ RENAMES = [
 
 
 def our_config(size: str, dropout: float) -> VanillaTransformerConfig:
-    d_model, layers, heads, ffn_dim, vocab_size = SIZES[size]
+    d_model, layers, heads, ffn_dim, vocab_size = {**SIZES, **DECODING_SIZES}[size]
     return VanillaTransformerConfig(
         vocab_size=vocab_size,
         d_model=d_model,

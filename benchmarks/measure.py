@@ -68,6 +68,44 @@ def time_alternating(
     return ABTiming(seconds["a"], seconds["b"])
 
 
+def time_round_robin(
+    runs: dict[str, Callable[[], object]], repeats: int, clock: str = "wall", warmup: int = 1
+) -> dict[str, list[float]]:
+    """Seconds per call of several candidates, timed in rounds that call each once, the order rotating every round
+    (so none is always first after the previous one warmed or cooled the caches), after `warmup` calls of each."""
+    now = CLOCKS[clock]
+    for _ in range(warmup):
+        for run in runs.values():
+            run()
+    names = list(runs)
+    seconds: dict[str, list[float]] = {name: [] for name in names}
+    for round_idx in range(repeats):
+        shift = round_idx % len(names)
+        for name in names[shift:] + names[:shift]:
+            start = now()
+            runs[name]()
+            seconds[name].append(now() - start)
+    return seconds
+
+
+def memory_bandwidth(clock: str = "wall", gib: int = 1, repeats: int = 4) -> float:
+    """Bytes/s at which this process reads a `gib` GiB float32 tensor: the best of summing it and of multiplying one
+    row by it seen as a row-major square matrix (the access of a one-row decoding step), best of `repeats`. What a
+    decoding step can stream its weights at, on this machine and under its current load."""
+    now = CLOCKS[clock]
+    tensor = torch.ones(gib * 2**28)
+    side = int(tensor.numel() ** 0.5)
+    matrix, row = tensor[: side * side].view(side, side), torch.ones(1, side)
+    seconds = []
+    for read in (tensor.sum, lambda: row @ matrix):
+        read()
+        for _ in range(repeats):
+            start = now()
+            read()
+            seconds.append(now() - start)
+    return gib * 2**30 / min(seconds)
+
+
 def peak_memory_bytes(run: Callable[[], object], persistent_bytes: int, device: torch.device) -> int:
     """Peak bytes of live tensors while `run()` executes, counting `persistent_bytes` that exist before it.
 

@@ -8,6 +8,9 @@ Every comparison times our model and the reference in alternating rounds (median
     same weights (a small size and the paper's transformer-base), on full rows and on a padded batch, plus MFU = model
     FLOPs/s of the real tokens over the FLOP/s of one big matmul measured in the same run, and peak training memory;
   * decoding: greedy and beam-4 new tokens/s at batch 1 and 8 through `generate()`;
+  * CPU decoding (`--sections cpu_decode`): HF Marian, ours through `optimize_for_cpu_inference` (float32, bfloat16,
+    int8) and CTranslate2 (float32, int8) on the same transformer-base weights, 1 thread CPU clock and 2 threads wall
+    clock, with the measured memory bandwidth and the weight-read limit of a decoding step (cpu_decoding.py);
   * MoE: our sparse MoE layer against HF `MixtralSparseMoeBlock` (eager and grouped_mm experts) and against a dense
     FFN with the same active parameters.
 fp32 on CPU; bf16 with sdpa on a GPU when one is present. Prints a table and writes JSON to benchmarks/results/.
@@ -21,6 +24,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
+from cpu_decoding import cpu_decoding_section, print_cpu_decoding
 from marian_twin import SIZES, build_pair, training_flops
 from measure import (
     environment,
@@ -229,6 +233,10 @@ def run(settings: Settings, sections: set[str]) -> dict:
             for batch in (1, 8)
             for beams in (1, 4)
         ]
+    if "cpu_decode" in sections:
+        results["cpu_decoding"] = cpu_decoding_section(
+            settings.repeats, new_tokens=32 if settings.quick else 64, quick=settings.quick
+        )
     if "moe" in sections:
         results["moe"] = moe_section(settings, tokens=1024 if settings.quick else 4096)
     return results
@@ -279,6 +287,8 @@ def print_table(results: dict) -> None:
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     for r in rows:
         print("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(r, widths))))
+    if "cpu_decoding" in results:
+        print_cpu_decoding(results["cpu_decoding"])
 
 
 def main() -> None:
@@ -293,7 +303,9 @@ def main() -> None:
         help="wall time, or process CPU time (steadier on a busy machine with --threads 1)",
     )
     parser.add_argument("--cpu", action="store_true", help="stay on the CPU even when a GPU is present")
-    parser.add_argument("--sections", default="train,decode,moe", help="comma-separated subset of train,decode,moe")
+    parser.add_argument(
+        "--sections", default="train,decode,moe", help="comma-separated subset of train,decode,cpu_decode,moe"
+    )
     parser.add_argument("--output", type=Path, default=None, help="JSON path (default benchmarks/results/<date>.json)")
     args = parser.parse_args()
     if args.threads:

@@ -1,0 +1,115 @@
+"""optimize_for_cpu_inference: float32 keeps the function, int8/bfloat16 round only the Linear weights.
+
+python -m pytest -q tests/test_cpu_inference.py
+"""
+
+import copy
+
+import pytest
+import torch
+from conftest import padded_batch, tiny_config
+
+from hf_vanilla_transformer import VanillaTransformerForConditionalGeneration
+from hf_vanilla_transformer.cpu_inference_vanilla_transformer import optimize_for_cpu_inference
+
+LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2", "gate_proj", "up_proj", "down_proj", "lm_head")
+
+
+def model_and_optimized(precision: str, **config_overrides):
+    torch.manual_seed(0)
+    model = VanillaTransformerForConditionalGeneration(tiny_config(**config_overrides)).eval()
+    return model, optimize_for_cpu_inference(copy.deepcopy(model), precision)
+
+
+def logits(model, input_ids, attention_mask) -> torch.Tensor:
+    decoder_input_ids = torch.randint(3, 64, (input_ids.shape[0], 6), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        return model(input_ids=input_ids, attention_mask=attention_mask, decoder_input_ids=decoder_input_ids).logits
+
+
+def generated(model, input_ids, attention_mask, num_beams: int) -> torch.Tensor:
+    with torch.no_grad():
+        return model.generate(
+            input_ids=input_ids, attention_mask=attention_mask, num_beams=num_beams, max_new_tokens=12, do_sample=False
+        )
+
+
+@pytest.mark.parametrize(
+    "overrides", [{}, {"ffn_type": "swiglu", "use_bias": False, "norm_position": "pre", "num_key_value_heads": 2}]
+)
+def test_float32_keeps_logits_and_tokens(overrides):
+    model, optimized = model_and_optimized("float32", **overrides)
+    input_ids, attention_mask = padded_batch()
+    torch.testing.assert_close(
+        logits(optimized, input_ids, attention_mask), logits(model, input_ids, attention_mask), rtol=0, atol=1e-5
+    )
+    for num_beams in (1, 4):
+        assert torch.equal(
+            generated(optimized, input_ids, attention_mask, num_beams),
+            generated(model, input_ids, attention_mask, num_beams),
+        )
+
+
+def test_float32_changes_layout_not_values_and_keeps_embeddings_row_major():
+    model, optimized = model_and_optimized("float32")
+    for (name, original), (_, relaid) in zip(model.named_parameters(), optimized.named_parameters()):
+        assert torch.equal(relaid, original), name
+        if name.endswith("weight") and name.split(".")[-2] in LINEAR_NAMES:
+            assert relaid.t().is_contiguous() and not relaid.is_contiguous(), name
+    # The tied output projection gets its own (in, out) copy; the embedding lookups keep the row-major table.
+    assert optimized.model.shared.weight.is_contiguous()
+    assert optimized.lm_head.weight.data_ptr() != optimized.model.shared.weight.data_ptr()
+    assert not optimized.training and not any(p.requires_grad for p in optimized.parameters())
+
+
+def test_int8_weights_are_per_channel_absmax_roundings():
+    model, optimized = model_and_optimized("int8")
+    linear, quantized = model.model.decoder.layers[0].mlp.fc1, optimized.model.decoder.layers[0].mlp.fc1
+    weight = quantized.weight()
+    scales = weight.q_per_channel_scales().float()
+    absmax = linear.weight.detach().abs().amax(dim=1)
+    # Symmetric int8: the largest weight of each output channel maps to the end of [-128, 127].
+    torch.testing.assert_close(scales, absmax / 127.5, rtol=1e-5, atol=0)
+    assert (weight.dequantize() - linear.weight).abs().le(scales[:, None] / 2 + 1e-7).all()
+    assert torch.equal(quantized.bias(), linear.bias.detach())
+
+
+@pytest.mark.parametrize("precision, tolerance", [("int8", 0.05), ("bfloat16", 0.02)])
+def test_lower_precision_linear_is_close_to_float32(precision, tolerance):
+    model, optimized = model_and_optimized(precision)
+    rows = torch.randn(5, 32, generator=torch.Generator().manual_seed(2))
+    reference = model.model.decoder.layers[1].mlp.fc1(rows)
+    relative_error = (optimized.model.decoder.layers[1].mlp.fc1(rows) - reference).norm() / reference.norm()
+    assert relative_error < tolerance
+    assert not any(type(module) is torch.nn.Linear for module in optimized.modules())
+
+
+def test_bfloat16_linear_equals_bfloat16_product():
+    model, optimized = model_and_optimized("bfloat16")
+    linear = model.model.decoder.layers[0].self_attn.q_proj
+    rows = torch.randn(2, 3, 32, generator=torch.Generator().manual_seed(3))
+    expected = torch.nn.functional.linear(
+        rows.bfloat16(), linear.weight.detach().bfloat16(), linear.bias.detach().bfloat16()
+    )
+    actual = optimized.model.decoder.layers[0].self_attn.q_proj(rows)
+    assert actual.dtype == torch.float32 and actual.shape == (2, 3, 32)
+    torch.testing.assert_close(actual, expected.float(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("precision", ["int8", "bfloat16"])
+def test_lower_precision_generates(precision):
+    _, optimized = model_and_optimized(precision)
+    input_ids, attention_mask = padded_batch()
+    for num_beams in (1, 4):
+        output = generated(optimized, input_ids, attention_mask, num_beams)
+        assert output.shape[0] == input_ids.shape[0] and output.shape[1] > 1
+
+
+def test_bad_arguments_are_named():
+    model = VanillaTransformerForConditionalGeneration(tiny_config())
+    with pytest.raises(ValueError, match="precision"):
+        optimize_for_cpu_inference(model, "float16")
+    with pytest.raises(TypeError, match="model"):
+        optimize_for_cpu_inference("not a model")
+    with pytest.raises(ValueError, match="float32 weights on the CPU"):
+        optimize_for_cpu_inference(model.to(torch.bfloat16))

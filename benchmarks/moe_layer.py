@@ -21,6 +21,7 @@ def moe_config(d_model: int, ffn_dim: int, num_experts: int, top_k: int, gated_d
         d_model=d_model,
         encoder_layers=1,
         decoder_layers=0,
+        is_encoder_decoder=False,  # encoder-only: no decoder to run
         encoder_ffn_dim=ffn_dim,
         decoder_ffn_dim=ffn_dim,
         ffn_type="swiglu",

@@ -32,6 +32,7 @@ LAZY_NAMES: dict[str, str] = {
     "convert_marian_to_vanilla_transformer": "convert_marian_vanilla_transformer",
     "convert_mixtral_to_vanilla_transformer": "convert_mixtral_vanilla_transformer",
     "export_to_ctranslate2": "ctranslate2_vanilla_transformer",
+    "optimize_for_cpu_inference": "cpu_inference_vanilla_transformer",
 }
 
 AutoConfig.register(VanillaTransformerConfig.model_type, VanillaTransformerConfig, exist_ok=True)

@@ -43,8 +43,8 @@ from .packing_vanilla_transformer import positions_the_loss_needs, token_mask_of
 @dataclass
 class RouterRequest:
     """What a head asks of the MoE routers in one forward: their losses (`compute`), which join the gradient through
-    the logits whenever one may be taken, so that a loss built from the logits alone still trains the routers; and
-    whether the losses and router logits are returned (`report`)."""
+    the logits whenever one may be taken, so that a loss built from the logits alone still trains the routers;
+    whether the losses are returned (`report`); and whether the router logits are (`return_logits`)."""
 
     compute: bool
     report: bool

@@ -61,8 +61,9 @@ def pretrain(route: str, text_file: Path, tokenizer_dir: Path, output_dir: Path,
     return out
 
 
-def fine_tune(route: str, init: Path | None, tokenizer_dir: Path, output_dir: Path, seed: int, steps: int) -> dict:
+def fine_tune(route: str, init: Path | None, tokenizer_dir: Path, output_dir: Path, seed: int, args: argparse.Namespace) -> dict:
     """One classifier run; returns its final metrics and its learning curve [(step, eval accuracy)]."""
+    steps = args.finetune_steps
     out = output_dir / f"{route}-{'pretrained' if init else 'scratch'}-seed{seed}"
     source = ["--model_name_or_path", str(init)] if init else [
         "--tokenizer_name", str(tokenizer_dir), "--preset", "demo-small", "--config_overrides", MODEL_OVERRIDES,
@@ -73,6 +74,7 @@ def fine_tune(route: str, init: Path | None, tokenizer_dir: Path, output_dir: Pa
             *source, "--output_dir", str(out), "--do_train", "--do_eval", "--max_steps", str(steps),
             "--per_device_train_batch_size", "16", "--learning_rate", "5e-4", "--eval_strategy", "steps",
             "--eval_steps", str(max(steps // 10, 1)), "--logging_steps", str(max(steps // 10, 1)),
+            "--demo_train_size", str(args.labelled_size), "--demo_validation_size", str(args.validation_size),
             "--seed", str(seed), *COMMON_FLAGS,
         ]
     )  # fmt: skip
@@ -173,6 +175,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--pretrain_size", type=int, default=20000, help="Unlabelled sentences.")
     parser.add_argument("--pretrain_steps", type=int, default=600, help="Pretraining steps of each language model.")
     parser.add_argument("--finetune_steps", type=int, default=100, help="Fine-tuning steps of each classifier.")
+    parser.add_argument("--labelled_size", type=int, default=48, help="Labelled training sentences.")
+    parser.add_argument("--validation_size", type=int, default=400, help="Labelled validation sentences.")
     parser.add_argument("--routes", nargs="+", choices=list(ROUTES), default=list(ROUTES), help="Routes to run.")
     args = parser.parse_args(argv)
     if args.seeds < 1:
@@ -188,13 +192,13 @@ def main(argv: list[str] | None = None) -> None:
         checkpoint = pretrain(route, text_file, tokenizer_dir, output_dir, args.pretrain_steps)
         for init, source in [("pretrained", checkpoint), ("scratch", None)]:
             runs[route, init] = [
-                fine_tune(route, source, tokenizer_dir, output_dir, seed, args.finetune_steps)
+                fine_tune(route, source, tokenizer_dir, output_dir, seed, args)
                 for seed in range(args.seeds)
             ]
     plot_learning_curves(runs, card_dir / "learning_curves.png")
     settings = dict(
-        labelled=train_classifier.ClassifierDataArguments.demo_train_size,
-        validation=train_classifier.ClassifierDataArguments.demo_validation_size,
+        labelled=args.labelled_size,
+        validation=args.validation_size,
         seeds=args.seeds,
         pretrain_size=args.pretrain_size,
         pretrain_steps=args.pretrain_steps,

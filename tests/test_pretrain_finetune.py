@@ -90,7 +90,9 @@ def write_labelled_csv(path: Path, size: int, seed: int) -> None:
 def test_pretrained_checkpoint_fine_tunes_on_local_files(tmp_path, route):
     text_file, tokenizer_dir = pretrain_finetune_demo.write_shared_inputs(tmp_path, pretrain_size=200)
     pretrained = tmp_path / "lm"
-    script, length_flag = (train_masked_lm, "--max_seq_length") if route == "bert" else (train_causal_lm, "--block_size")
+    script, length_flag = (
+        (train_masked_lm, "--max_seq_length") if route == "bert" else (train_causal_lm, "--block_size")
+    )
     script.main(
         [*TINY, *QUIET, "--output_dir", str(pretrained), "--train_file", str(text_file), "--tokenizer_name"]
         + [str(tokenizer_dir), length_flag, "32", "--do_train", "--max_steps", "3", "--warmup_steps", "2"]
@@ -118,7 +120,7 @@ def test_pretrained_checkpoint_fine_tunes_on_local_files(tmp_path, route):
     assert metrics["eval_accuracy"] == pytest.approx((predicted == torch.tensor(expected)).float().mean().item())
     card = (classifier_dir / "README.md").read_text()
     assert "accuracy" in card and "confusion_matrix.png" in card and (classifier_dir / "confusion_matrix.png").exists()
-    assert (("decoder-only" in card) if route == "gpt" else ("encoder-only" in card))
+    assert ("decoder-only" in card) if route == "gpt" else ("encoder-only" in card)
 
 
 def test_masked_lm_script_reports_perplexity_and_loads_as_masked_lm(tmp_path):

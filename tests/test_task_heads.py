@@ -97,8 +97,8 @@ def loading_log():
 
 def test_masked_lm_loss_is_cross_entropy_over_the_masked_positions():
     torch.manual_seed(0)
-    model = VanillaTransformerForMaskedLM(vocab_config(tie_word_embeddings=True)).eval()
-    assert model.lm_head.weight is model.model.embed_tokens.weight
+    model = AutoModelForMaskedLM.from_config(vocab_config(tie_word_embeddings=True)).eval()
+    assert type(model) is VanillaTransformerForMaskedLM and model.lm_head.weight is model.model.embed_tokens.weight
     assert isinstance(model.model, VanillaTransformerEncoder) and not model.config.is_decoder
     input_ids = random_rows(3, 8, seed=1)
     attention_mask = torch.ones_like(input_ids)
@@ -287,7 +287,9 @@ def test_lora_trains_only_adapters_and_the_task_layer(head_class):
     modules_to_save = task_layers.get(head_class.__name__, ["classifier"])
     lora = peft.get_peft_model(
         model,
-        peft.LoraConfig(r=4, target_modules=["q_proj", "k_proj", "v_proj", "out_proj"], modules_to_save=modules_to_save),
+        peft.LoraConfig(
+            r=4, target_modules=["q_proj", "k_proj", "v_proj", "out_proj"], modules_to_save=modules_to_save
+        ),
     )
     trainable = {name for name, parameter in lora.named_parameters() if parameter.requires_grad}
     assert trainable and all("lora_" in name or "modules_to_save" in name for name in trainable)

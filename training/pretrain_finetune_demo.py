@@ -61,7 +61,9 @@ def pretrain(route: str, text_file: Path, tokenizer_dir: Path, output_dir: Path,
     return out
 
 
-def fine_tune(route: str, init: Path | None, tokenizer_dir: Path, output_dir: Path, seed: int, args: argparse.Namespace) -> dict:
+def fine_tune(
+    route: str, init: Path | None, tokenizer_dir: Path, output_dir: Path, seed: int, args: argparse.Namespace
+) -> dict:
     """One classifier run; returns its final metrics and its learning curve [(step, eval accuracy)]."""
     steps = args.finetune_steps
     out = output_dir / f"{route}-{'pretrained' if init else 'scratch'}-seed{seed}"
@@ -126,9 +128,9 @@ tags:
 
 # Pretrain → fine-tune demo (GPT route and BERT route)
 
-What pretraining on unlabelled text buys a classifier fine-tuned on {settings['labelled']} labelled sentences, against
-the same classifier trained from scratch ({settings['seeds']} seeds each; mean ± standard deviation; validation set of
-{settings['validation']} sentences; chance = {1 / TOPICS:.2f}).
+What pretraining on unlabelled text buys a classifier fine-tuned on {settings["labelled"]} labelled sentences, against
+the same classifier trained from scratch ({settings["seeds"]} seeds each; mean ± standard deviation; validation set of
+{settings["validation"]} sentences; chance = {1 / TOPICS:.2f}).
 
 | Route | Initialisation | Accuracy | Macro-F1 |
 |---|---|---|---|
@@ -145,15 +147,15 @@ Learning curves: validation accuracy during fine-tuning, mean over seeds with ±
   all topics. A sentence ({language.min_length}-{language.max_length} words) is about one topic: its content words
   come from that topic, except {language.off_topic_rate:.0%} drawn from any topic, and
   {language.function_word_rate:.0%} of its words are function words. The label is the topic.
-- **Why the comparison is meaningful:** {settings['labelled']} labelled sentences show each content word about once,
+- **Why the comparison is meaningful:** {settings["labelled"]} labelled sentences show each content word about once,
   so a classifier trained from scratch cannot know the topic of most words it meets in a new sentence. The
-  {settings['pretrain_size']:,} unlabelled sentences show which words occur together, which is the topic structure: a
+  {settings["pretrain_size"]:,} unlabelled sentences show which words occur together, which is the topic structure: a
   language model has to learn it to predict a masked or next word.
 - **Model** (every run): `{MODEL_OVERRIDES}` on the `demo-small` preset, word-level tokenizer.
-- **Pretraining** ({settings['pretrain_steps']} steps, batch 64, Noam schedule): GPT route
+- **Pretraining** ({settings["pretrain_steps"]} steps, batch 64, Noam schedule): GPT route
   `training/train_causal_lm.py` (blocks of 32 tokens), BERT route `training/train_masked_lm.py` (15 % of tokens
   masked).
-- **Fine-tuning** (`training/train_classifier.py`, {settings['finetune_steps']} steps, batch 16, AdamW 5e-4
+- **Fine-tuning** (`training/train_classifier.py`, {settings["finetune_steps"]} steps, batch 16, AdamW 5e-4
   constant): GPT route a classifier on the causal decoder reading the last real token (from the causal-LM
   checkpoint, or a new decoder); BERT route a classifier on the bidirectional encoder, mean-pooled (from the
   masked-LM checkpoint, or a new encoder). Seeds change the classifier layer's initialisation (and the whole model's
@@ -192,8 +194,7 @@ def main(argv: list[str] | None = None) -> None:
         checkpoint = pretrain(route, text_file, tokenizer_dir, output_dir, args.pretrain_steps)
         for init, source in [("pretrained", checkpoint), ("scratch", None)]:
             runs[route, init] = [
-                fine_tune(route, source, tokenizer_dir, output_dir, seed, args)
-                for seed in range(args.seeds)
+                fine_tune(route, source, tokenizer_dir, output_dir, seed, args) for seed in range(args.seeds)
             ]
     plot_learning_curves(runs, card_dir / "learning_curves.png")
     settings = dict(

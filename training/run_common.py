@@ -338,7 +338,9 @@ def load_text_data(
             splits[name] = raw[source].select(range(min(limit, len(raw[source])))) if limit else raw[source]
     for split in splits.values():
         if data_args.text_column not in split.column_names:
-            raise ValueError(f"--text_column {data_args.text_column!r} is not in the data; it has {split.column_names}.")
+            raise ValueError(
+                f"--text_column {data_args.text_column!r} is not in the data; it has {split.column_names}."
+            )
     return DatasetDict(splits), label
 
 

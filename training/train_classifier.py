@@ -75,7 +75,9 @@ class FineTuningArguments(NoamArguments, TrainingArguments):
     """TrainingArguments with fine-tuning defaults: a constant-after-warm-up peak rate rather than the Noam schedule."""
 
     noam_schedule: bool = field(default=False, metadata={"help": "Use the paper's Noam schedule instead (§5.3)."})
-    learning_rate: float = field(default=3e-4, metadata={"help": "Peak learning rate (Noam scale with --noam_schedule)."})
+    learning_rate: float = field(
+        default=3e-4, metadata={"help": "Peak learning rate (Noam scale with --noam_schedule)."}
+    )
     warmup_steps: float = field(default=0, metadata={"help": "Warm-up steps (a float < 1: a share of all steps)."})
     lr_scheduler_type: str = field(default="constant_with_warmup", metadata={"help": "Schedule after the warm-up."})
 
@@ -165,9 +167,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         )
     else:
         stack = dict(is_encoder_decoder=False, is_decoder=model_args.stack == "decoder")
-        model = AutoModelForSequenceClassification.from_config(new_model_config(model_args, tokenizer, **stack, **labels))
+        model = AutoModelForSequenceClassification.from_config(
+            new_model_config(model_args, tokenizer, **stack, **labels)
+        )
 
-    is_class_label = isinstance(data["train" if "train" in data else "validation"].features[data_args.label_column], ClassLabel)
+    is_class_label = isinstance(
+        data["train" if "train" in data else "validation"].features[data_args.label_column], ClassLabel
+    )
 
     def tokenize(batch):
         encoded = tokenizer(batch[data_args.text_column], truncation=True, max_length=data_args.max_seq_length)
@@ -217,7 +223,12 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             "batch_size": training_args.per_device_train_batch_size,
         }
         write_model_card(
-            model, output_dir, results=results, dataset=dataset_label, plot_path=plot, training_args=recipe,
+            model,
+            output_dir,
+            results=results,
+            dataset=dataset_label,
+            plot_path=plot,
+            training_args=recipe,
             description=description,
         )
     if training_args.push_to_hub:

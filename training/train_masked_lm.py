@@ -49,7 +49,9 @@ class MaskedLMDataArguments(TextDataArguments):
     mlm_probability: float = field(default=0.15, metadata={"help": "Share of tokens to predict per text (BERT: 0.15)."})
 
 
-def masked_lm_tokenizer(model_args: ModelArguments, data_args: MaskedLMDataArguments, train_texts) -> PreTrainedTokenizerBase:
+def masked_lm_tokenizer(
+    model_args: ModelArguments, data_args: MaskedLMDataArguments, train_texts
+) -> PreTrainedTokenizerBase:
     """The given tokenizer, else the demo's word-level one on the demo data, else a BPE tokenizer trained on the
     texts; any of them gets a mask token if it has none."""
     source = model_args.tokenizer_name or model_args.model_name_or_path

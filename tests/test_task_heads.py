@@ -201,6 +201,38 @@ def test_causal_classifier_pools_the_last_real_token_and_reads_nothing_after_it(
     torch.testing.assert_close(classifier(right).logits, alone, rtol=1e-5, atol=1e-5)
 
 
+ENCODER_HEADS = [VanillaTransformerForMaskedLM] + [head for head, _ in TASK_HEADS]
+CAUSAL_HEADS = [VanillaTransformerForSequenceClassification, VanillaTransformerForTokenClassification]
+
+
+@pytest.mark.parametrize(
+    "head_class, is_decoder",
+    [(head, False) for head in ENCODER_HEADS] + [(head, True) for head in CAUSAL_HEADS],
+    ids=lambda value: value.__name__[len("VanillaTransformerFor") :] if isinstance(value, type) else str(value),
+)
+def test_experts_add_their_router_losses_to_every_task_loss(head_class, is_decoder):
+    torch.manual_seed(0)
+    config = vocab_config(num_experts=4, num_labels=3, is_encoder_decoder=False, is_decoder=is_decoder)
+    model = head_class(config).eval()
+    input_ids = random_rows(2, 6, seed=8)
+    targets = {
+        "VanillaTransformerForMaskedLM": {"labels": input_ids},
+        "VanillaTransformerForSequenceClassification": {"labels": torch.tensor([0, 2])},
+        "VanillaTransformerForTokenClassification": {"labels": input_ids % 3},
+        "VanillaTransformerForQuestionAnswering": {
+            "start_positions": torch.tensor([1, 2]),
+            "end_positions": torch.tensor([3, 4]),
+        },
+    }[head_class.__name__]
+    with_router = model(input_ids, **targets).loss
+    model.config.router_aux_loss_coef = model.config.router_z_loss_coef = 0.0
+    without_router = model(input_ids, **targets).loss
+    assert with_router > without_router  # balancing (>= 1 at its optimum) and z-losses are positive
+    with_router.backward()
+    routers = [module.weight for module in model.modules() if type(module).__name__ == "VanillaTransformerRouter"]
+    assert routers and all(weight.grad is not None and weight.grad.abs().sum() > 0 for weight in routers)
+
+
 # ---- save/load, remote code, LoRA ---------------------------------------------------------------------------------
 
 

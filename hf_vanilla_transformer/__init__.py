@@ -12,19 +12,27 @@ from transformers import (
     AutoConfig,
     AutoModel,
     AutoModelForCausalLM,
+    AutoModelForMaskedLM,
+    AutoModelForQuestionAnswering,
     AutoModelForSeq2SeqLM,
     AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
 )
 
 from .configuration_vanilla_transformer import VanillaTransformerConfig
 from .heads_vanilla_transformer import (
     VanillaTransformerForCausalLM,
     VanillaTransformerForConditionalGeneration,
-    VanillaTransformerForSequenceClassification,
 )
 from .hub_vanilla_transformer import push_repository
 from .model_card_vanilla_transformer import build_model_card, write_model_card
 from .modeling_vanilla_transformer import VanillaTransformerModel, VanillaTransformerPreTrainedModel
+from .task_heads_vanilla_transformer import (
+    VanillaTransformerForMaskedLM,
+    VanillaTransformerForQuestionAnswering,
+    VanillaTransformerForSequenceClassification,
+    VanillaTransformerForTokenClassification,
+)
 
 # Public names imported on first access, and the sibling module defining each.
 LAZY_NAMES: dict[str, str] = {
@@ -42,6 +50,9 @@ for _auto_class, _model_class in [
     (AutoModelForSeq2SeqLM, VanillaTransformerForConditionalGeneration),
     (AutoModelForCausalLM, VanillaTransformerForCausalLM),
     (AutoModelForSequenceClassification, VanillaTransformerForSequenceClassification),
+    (AutoModelForMaskedLM, VanillaTransformerForMaskedLM),
+    (AutoModelForTokenClassification, VanillaTransformerForTokenClassification),
+    (AutoModelForQuestionAnswering, VanillaTransformerForQuestionAnswering),
 ]:
     _auto_class.register(VanillaTransformerConfig, _model_class, exist_ok=True)
     _model_class.register_for_auto_class(_auto_class.__name__)  # save_pretrained copies the code files
@@ -67,6 +78,9 @@ __all__ = [
     "VanillaTransformerForConditionalGeneration",
     "VanillaTransformerForCausalLM",
     "VanillaTransformerForSequenceClassification",
+    "VanillaTransformerForMaskedLM",
+    "VanillaTransformerForTokenClassification",
+    "VanillaTransformerForQuestionAnswering",
     "build_model_card",
     "write_model_card",
     "push_repository",

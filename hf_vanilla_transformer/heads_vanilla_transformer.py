@@ -1,4 +1,4 @@
-"""Task heads: the translation model (encoder-decoder LM), a decoder-only LM and an encoder-only classifier.
+"""Language-model heads: the translation model (encoder-decoder LM) and a decoder-only LM.
 
 The two language-model heads share one pipeline (`TokenPredictionHead`): plan which positions the stack and the
 vocabulary projection must compute, run the stack, project, add the MoE router losses, take the loss.
@@ -15,7 +15,6 @@ from transformers.modeling_outputs import (
     CausalLMOutputWithPast,
     Seq2SeqLMOutput,
     Seq2SeqMoEOutput,
-    SequenceClassifierOutput,
 )
 from transformers.modeling_utils import slice_logits_to_keep
 from transformers.models.bart.modeling_bart import shift_tokens_right
@@ -26,7 +25,6 @@ from .configuration_vanilla_transformer import VanillaTransformerConfig
 from .generation_vanilla_transformer import VanillaTransformerGenerationMixin
 from .modeling_vanilla_transformer import (
     VanillaTransformerDecoder,
-    VanillaTransformerEncoder,
     VanillaTransformerModel,
     VanillaTransformerPreTrainedModel,
 )
@@ -341,67 +339,7 @@ class VanillaTransformerForCausalLM(TokenPredictionHead, GenerationMixin):
         )
 
 
-class VanillaTransformerForSequenceClassification(VanillaTransformerPreTrainedModel):
-    """Encoder-only classifier (BERT-style): the encoder stack, a pooled vector, and a linear classifier."""
-
-    _auto_map = {
-        "AutoModelForSequenceClassification": "heads_vanilla_transformer.VanillaTransformerForSequenceClassification"
-    }
-
-    def __init__(self, config: VanillaTransformerConfig):
-        config = config.for_single_stack("encoder")
-        super().__init__(config)
-        self.model = VanillaTransformerEncoder(config)
-        self.dropout = nn.Dropout(config.classifier_dropout)
-        self.classifier = nn.Linear(config.d_model, config.num_labels)
-        self._set_auto_map()
-        self.post_init()
-
-    def pool(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
-        """Mean over non-padding tokens (`classifier_pooling="mean"`) or the first token's vector (`"first"`)."""
-        if self.config.classifier_pooling == "first":
-            return hidden_states[:, 0]
-        token_mask = token_mask_of(attention_mask)
-        if token_mask is None:
-            return hidden_states.mean(dim=1)
-        weights = token_mask.to(hidden_states.dtype).unsqueeze(-1)
-        return (hidden_states * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1.0)
-
-    @can_return_tuple
-    def forward(
-        self,
-        input_ids: torch.LongTensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-        labels: torch.LongTensor | None = None,
-        output_router_logits: bool | None = None,
-        **kwargs: Unpack[TransformersKwargs],
-    ) -> SequenceClassifierOutput:
-        router = RouterRequest.of(self.config, labels, output_router_logits)
-        outputs = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            inputs_embeds=inputs_embeds,
-            output_router_logits=router.compute,
-            **kwargs,
-        )
-        logits = self.classifier(self.dropout(self.pool(outputs.last_hidden_state, attention_mask)))
-        padding_mask = token_mask_of(attention_mask)
-        router_losses = router.losses(self.config, encoder=(outputs.router_logits, padding_mask, padding_mask))
-        if router_losses is not None:
-            logits = attach_router_loss(logits, router_losses.total)
-        loss = None
-        if labels is not None:
-            loss = self.loss_function(labels=labels, pooled_logits=logits, config=self.config, **kwargs)
-            if router_losses is not None:
-                loss = loss + router_losses.total.detach()
-        return SequenceClassifierOutput(
-            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
-        )
-
-
 __all__ = [
     "VanillaTransformerForConditionalGeneration",
     "VanillaTransformerForCausalLM",
-    "VanillaTransformerForSequenceClassification",
 ]

@@ -36,7 +36,23 @@ HEADS: dict[str, tuple[str, str, str]] = {
     "VanillaTransformerForSequenceClassification": (
         "AutoModelForSequenceClassification",
         "text-classification",
-        "an encoder-only classifier (the encoder stack, pooled, then a linear layer)",
+        "a classifier: the encoder pooled (BERT-style), or a causal decoder's last token (GPT-style), then a linear "
+        "layer",
+    ),
+    "VanillaTransformerForMaskedLM": (
+        "AutoModelForMaskedLM",
+        "fill-mask",
+        "an encoder-only masked language model (BERT-style), its output projection tied to the embedding",
+    ),
+    "VanillaTransformerForTokenClassification": (
+        "AutoModelForTokenClassification",
+        "token-classification",
+        "a per-token classifier on the encoder (or a causal decoder)",
+    ),
+    "VanillaTransformerForQuestionAnswering": (
+        "AutoModelForQuestionAnswering",
+        "question-answering",
+        "extractive question answering: start and end scores per token of the encoder",
     ),
     "VanillaTransformerModel": ("AutoModel", "feature-extraction", "the encoder-decoder without a head"),
 }
@@ -57,6 +73,21 @@ USAGE_CALLS = {
     "AutoModelForSequenceClassification": (
         'logits = model(**tokenizer(["Some text."], return_tensors="pt")).logits\n'
         "print(model.config.id2label[int(logits.argmax(-1))])"
+    ),
+    "AutoModelForMaskedLM": (
+        'inputs = tokenizer([f"Some {tokenizer.mask_token} text."], return_tensors="pt")\n'
+        "masked = inputs.input_ids == tokenizer.mask_token_id\n"
+        "print(tokenizer.decode(model(**inputs).logits[masked].argmax(-1)))"
+    ),
+    "AutoModelForTokenClassification": (
+        'logits = model(**tokenizer(["Some text."], return_tensors="pt")).logits\n'
+        "print([model.config.id2label[int(i)] for i in logits[0].argmax(-1)])"
+    ),
+    "AutoModelForQuestionAnswering": (
+        'inputs = tokenizer(["A question?"], ["The context."], return_tensors="pt")\n'
+        "outputs = model(**inputs)\n"
+        "start, end = int(outputs.start_logits.argmax()), int(outputs.end_logits.argmax())\n"
+        "print(tokenizer.decode(inputs.input_ids[0, start : end + 1]))"
     ),
     "AutoModel": (
         'inputs = tokenizer(["Some text."], return_tensors="pt")\n'
@@ -83,11 +114,11 @@ def head_name(model_or_config: PreTrainedModel | PreTrainedConfig) -> str:
     return name
 
 
-def stack_kind(head: str) -> str:
-    return {
-        "VanillaTransformerForCausalLM": "decoder-only",
-        "VanillaTransformerForSequenceClassification": "encoder-only",
-    }.get(head, "encoder-decoder")
+def stack_kind(config: PreTrainedConfig) -> str:
+    """The stacks the model runs, from its config (a task head's config names the stack it runs)."""
+    return {("encoder", "decoder"): "encoder-decoder", ("decoder",): "decoder-only", ("encoder",): "encoder-only"}[
+        tuple(config.stacks)
+    ]
 
 
 def stack_description(config: PreTrainedConfig, head: str) -> str:
@@ -96,7 +127,7 @@ def stack_description(config: PreTrainedConfig, head: str) -> str:
         "encoder-only": f"{config.encoder_layers}",
         "encoder-decoder": f"{config.encoder_layers} + {config.decoder_layers}",
     }
-    return f"{stack_kind(head)}, {layers[stack_kind(head)]} layers"
+    return f"{stack_kind(config)}, {layers[stack_kind(config)]} layers"
 
 
 def paper(value: Any, paper_value: Any) -> str:
@@ -156,7 +187,7 @@ def variant_tags(config: PreTrainedConfig, head: str) -> list[str]:
     tags = [
         "vanilla-transformer",
         "custom_code",
-        stack_kind(head),
+        stack_kind(config),
         config.norm_type,
         f"{config.norm_position}-norm",
         f"ffn-{config.ffn_type}",

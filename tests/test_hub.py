@@ -32,7 +32,10 @@ import hf_vanilla_transformer
 from hf_vanilla_transformer import (
     VanillaTransformerForCausalLM,
     VanillaTransformerForConditionalGeneration,
+    VanillaTransformerForMaskedLM,
+    VanillaTransformerForQuestionAnswering,
     VanillaTransformerForSequenceClassification,
+    VanillaTransformerForTokenClassification,
     VanillaTransformerModel,
     build_model_card,
     push_repository,
@@ -49,7 +52,22 @@ EXPECTED_AUTO_MAP = {
     VanillaTransformerModel: {"AutoConfig", "AutoModel"},  # the heads file does not travel with a base model
     VanillaTransformerForConditionalGeneration: {"AutoConfig", "AutoModel", "AutoModelForSeq2SeqLM"},
     VanillaTransformerForCausalLM: {"AutoConfig", "AutoModel", "AutoModelForCausalLM"},
-    VanillaTransformerForSequenceClassification: {"AutoConfig", "AutoModel", "AutoModelForSequenceClassification"},
+    **dict.fromkeys(
+        [
+            VanillaTransformerForMaskedLM,
+            VanillaTransformerForSequenceClassification,
+            VanillaTransformerForTokenClassification,
+            VanillaTransformerForQuestionAnswering,
+        ],
+        {  # an encoder checkpoint serves every encoder-only head, and AutoModel gives its encoder
+            "AutoConfig",
+            "AutoModel",
+            "AutoModelForMaskedLM",
+            "AutoModelForSequenceClassification",
+            "AutoModelForTokenClassification",
+            "AutoModelForQuestionAnswering",
+        },
+    ),
 }
 
 

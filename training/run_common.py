@@ -5,7 +5,7 @@ import dataclasses
 import json
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -297,3 +297,54 @@ def save_run(trainer: Trainer, metrics: dict[str, float], dataset: str, card_arg
         write_model_card(trainer.model, output_dir, results=results, dataset=dataset, plot_path=plot, **card_args)
     with open(os.path.join(output_dir, "all_results.json"), "w") as file:
         json.dump(metrics, file, indent=2)
+
+
+@dataclass
+class TextDataArguments:
+    """Where the texts of the masked-LM and classifier scripts come from, and how long they may be."""
+
+    dataset_name: str | None = field(default=None, metadata={"help": "A Hub dataset, e.g. imdb (needs network)."})
+    dataset_config_name: str | None = field(default=None, metadata={"help": "The Hub dataset's config."})
+    train_file: str | None = field(default=None, metadata={"help": "Local training data: csv/tsv/json/jsonl/parquet."})
+    validation_file: str | None = field(default=None, metadata={"help": "Local validation data, same format."})
+    validation_split: str = field(
+        default="validation", metadata={"help": "The split to evaluate on (e.g. 'test' for Hub datasets without one)."}
+    )
+    text_column: str = field(default="text", metadata={"help": "Column holding the text."})
+    max_seq_length: int = field(default=128, metadata={"help": "Texts are truncated to this many tokens."})
+    max_train_samples: int | None = field(default=None, metadata={"help": "Use only this many training examples."})
+    max_eval_samples: int | None = field(default=None, metadata={"help": "Use only this many validation examples."})
+    demo_train_size: int = field(default=20000, metadata={"help": "Training examples generated for the demo data."})
+    demo_validation_size: int = field(default=500, metadata={"help": "Validation examples for the demo data."})
+
+
+def load_text_data(
+    data_args: TextDataArguments, demo: Callable[[int, int], DatasetDict], demo_label: str
+) -> tuple[DatasetDict, str]:
+    """(train/validation DatasetDict, what to call the data in the model card): a Hub dataset, local files, or with
+    neither the built-in demo data, each split cut to its --max_*_samples."""
+    if data_args.dataset_name:
+        raw, label = load_dataset(data_args.dataset_name, data_args.dataset_config_name), data_args.dataset_name
+    elif data_args.train_file or data_args.validation_file:
+        raw, label = load_local_files(data_args.train_file, data_args.validation_file), "local files"
+    else:
+        raw, label = demo(data_args.demo_train_size, data_args.demo_validation_size), demo_label
+    splits = {}
+    for name, source, limit in [
+        ("train", "train", data_args.max_train_samples),
+        ("validation", data_args.validation_split, data_args.max_eval_samples),
+    ]:
+        if source in raw:
+            splits[name] = raw[source].select(range(min(limit, len(raw[source])))) if limit else raw[source]
+    for split in splits.values():
+        if data_args.text_column not in split.column_names:
+            raise ValueError(
+                f"--text_column {data_args.text_column!r} is not in the data; it has {split.column_names}."
+            )
+    return DatasetDict(splits), label
+
+
+def required_split(data: DatasetDict, split: str, flag: str) -> Any:
+    if split not in data:
+        raise ValueError(f"{flag} needs a {split} split; the data has {list(data)}.")
+    return data[split]

@@ -1,0 +1,326 @@
+"""Task heads on one stack, as BERT and GPT use the Transformer: a masked LM to pretrain an encoder, and sequence
+classification, token classification and extractive question answering to fine-tune one.
+
+Every head but the masked LM runs the stack its config names (`config.is_decoder`): the bidirectional encoder
+(BERT-style), or the causal decoder of a `VanillaTransformerForCausalLM` checkpoint (GPT-style), whose config says
+`is_decoder=True`. The stack is `self.model` either way, as in the LM heads, so every transformer weight of a
+pretrained masked-LM or causal-LM checkpoint loads under the same name and only the task's output layer is new.
+"""
+
+import dataclasses
+
+import torch
+from torch import nn
+from transformers.modeling_outputs import (
+    MaskedLMOutput,
+    QuestionAnsweringModelOutput,
+    SequenceClassifierOutput,
+    TokenClassifierOutput,
+)
+from transformers.processing_utils import Unpack
+from transformers.utils import TransformersKwargs, can_return_tuple
+
+from .configuration_vanilla_transformer import VanillaTransformerConfig
+from .heads_vanilla_transformer import RouterRequest, TokenPredictionHead, TokenPredictions
+from .modeling_vanilla_transformer import (
+    VanillaTransformerDecoder,
+    VanillaTransformerEncoder,
+    VanillaTransformerPreTrainedModel,
+)
+from .moe_vanilla_transformer import MoeEncoderOutput, RouterLosses, attach_router_loss
+from .packing_vanilla_transformer import token_mask_of
+
+MODULE = "task_heads_vanilla_transformer"
+# The Auto classes that can load a checkpoint of an encoder-only head: the encoder's weights serve them all.
+ENCODER_AUTO_MAP = {
+    "AutoModelForMaskedLM": f"{MODULE}.VanillaTransformerForMaskedLM",
+    "AutoModelForSequenceClassification": f"{MODULE}.VanillaTransformerForSequenceClassification",
+    "AutoModelForTokenClassification": f"{MODULE}.VanillaTransformerForTokenClassification",
+    "AutoModelForQuestionAnswering": f"{MODULE}.VanillaTransformerForQuestionAnswering",
+}
+# A classifier on the causal decoder: its checkpoint's stack is a causal LM's, so the causal LM can load it back.
+DECODER_AUTO_MAP = {
+    "AutoModelForCausalLM": "heads_vanilla_transformer.VanillaTransformerForCausalLM",
+    "AutoModelForSequenceClassification": ENCODER_AUTO_MAP["AutoModelForSequenceClassification"],
+    "AutoModelForTokenClassification": ENCODER_AUTO_MAP["AutoModelForTokenClassification"],
+}
+
+
+def runs_causal_decoder(config: VanillaTransformerConfig) -> bool:
+    """Whether a single-stack head on `config` runs the causal decoder: the config of a decoder-only checkpoint."""
+    return not config.is_encoder_decoder and config.is_decoder
+
+
+def positions_after_left_padding(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """Position ids that start at 0 on each row's first real token, as `generate` gives left-padded prompts: a row's
+    outputs then do not depend on the padding in front of it. Padding positions get 0 (they are masked anyway)."""
+    if attention_mask is None or attention_mask.dim() != 2:
+        return None
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def last_token_indices(token_mask: torch.Tensor | None, batch_size: int, length: int, device) -> torch.Tensor:
+    """Each row's last real token (GPT-2/Llama's classifier convention): the rightmost position of `token_mask`, so
+    left and right padding both work; the last position without a mask."""
+    if token_mask is None:
+        return torch.full((batch_size,), length - 1, device=device)
+    positions = torch.arange(length, device=device)
+    return (positions * token_mask.to(device=device, dtype=torch.long)).argmax(-1)
+
+
+class SingleStackTaskHead(VanillaTransformerPreTrainedModel):
+    """What the task heads share: `self.model`, the encoder or the causal decoder that the config names, and one run
+    of it that also returns the MoE router losses the head's loss must carry."""
+
+    def __init__(self, config: VanillaTransformerConfig):
+        config = config.for_single_stack("decoder" if runs_causal_decoder(config) else "encoder")
+        super().__init__(config)
+        stack_class = VanillaTransformerDecoder if config.is_decoder else VanillaTransformerEncoder
+        self.model = stack_class(config)
+        self._auto_map = DECODER_AUTO_MAP if config.is_decoder else ENCODER_AUTO_MAP
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.model.embed_tokens = value
+
+    def run_stack(
+        self,
+        input_ids: torch.LongTensor | None,
+        attention_mask: torch.Tensor | None,
+        inputs_embeds: torch.Tensor | None,
+        router: RouterRequest,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> tuple[MoeEncoderOutput, RouterLosses | None]:
+        """The stack's outputs, and the router losses of its MoE layers (None when not computed)."""
+        if self.config.is_decoder:
+            # One pass over the whole input, no cache to fill; positions restart at each row's first token.
+            kwargs = dict(kwargs, use_cache=False, position_ids=positions_after_left_padding(attention_mask))
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            inputs_embeds=inputs_embeds,
+            output_router_logits=router.compute,
+            **kwargs,
+        )
+        padding_mask = token_mask_of(attention_mask)
+        stack = "decoder" if self.config.is_decoder else "encoder"
+        return outputs, router.losses(self.config, **{stack: (outputs.router_logits, padding_mask, padding_mask)})
+
+    @staticmethod
+    def with_router_losses(
+        logits: torch.Tensor, loss: torch.Tensor | None, router_losses: RouterLosses | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The router losses carried into the gradient of any loss built from `logits`, and added to `loss` as a
+        value (their gradient already flows through the logits)."""
+        if router_losses is None:
+            return logits, loss
+        logits = attach_router_loss(logits, router_losses.total)
+        return logits, None if loss is None else loss + router_losses.total.detach()
+
+
+class VanillaTransformerForMaskedLM(TokenPredictionHead):
+    """Encoder-only masked language model (BERT-style pretraining): the bidirectional encoder and a vocabulary
+    projection tied to its embedding (§3.4). Labels are -100 except at the masked positions
+    (`DataCollatorForLanguageModeling`)."""
+
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _auto_map = ENCODER_AUTO_MAP
+
+    def __init__(self, config: VanillaTransformerConfig):
+        config = config.for_single_stack("encoder")
+        super().__init__(config)
+        self.model = VanillaTransformerEncoder(config)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=config.lm_head_bias)
+        self._set_auto_map()
+        self.post_init()
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def set_output_embeddings(self, new_embeddings: nn.Linear) -> None:
+        self.lm_head = new_embeddings
+
+    def plan(self, targets, attention_mask, logits_to_keep, output_router_logits) -> TokenPredictions:
+        # A masked position reads the tokens on both sides: the encoder computes every real token, not only those
+        # up to the last masked one as a causal decoder may.
+        plan = super().plan(targets, attention_mask, logits_to_keep, output_router_logits)
+        return dataclasses.replace(plan, token_mask=token_mask_of(attention_mask))
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        output_router_logits: bool | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> MaskedLMOutput:
+        r"""
+        labels (`torch.LongTensor` of shape `(batch_size, length)`, *optional*):
+            The original token at each masked position, -100 elsewhere.
+        """
+        plan = self.plan(labels, attention_mask, logits_to_keep, output_router_logits)
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            inputs_embeds=inputs_embeds,
+            output_router_logits=plan.router.compute,
+            **kwargs,
+        )
+        padding_mask = plan.token_mask
+        router_losses = plan.router.losses(self.config, encoder=(outputs.router_logits, padding_mask, padding_mask))
+        loss, logits = self.predict(plan, outputs.last_hidden_state, logits_to_keep, router_losses, **kwargs)
+        return MaskedLMOutput(
+            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
+        )
+
+
+class VanillaTransformerForSequenceClassification(SingleStackTaskHead):
+    """A linear classifier on a pooled vector. On the encoder (BERT-style) the pooled vector is the mean over real
+    tokens or the first token (`config.classifier_pooling`); on the causal decoder of a causal-LM checkpoint
+    (GPT-style) it is the last real token's state, the only one that has read the whole input."""
+
+    def __init__(self, config: VanillaTransformerConfig):
+        super().__init__(config)
+        self.dropout = nn.Dropout(self.config.classifier_dropout)
+        self.classifier = nn.Linear(self.config.d_model, self.config.num_labels)
+        self._set_auto_map()
+        self.post_init()
+
+    def pool(
+        self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None, input_ids: torch.Tensor | None
+    ) -> torch.Tensor:
+        token_mask = token_mask_of(attention_mask)
+        if self.config.is_decoder:
+            if token_mask is None and input_ids is not None and self.config.pad_token_id is not None:
+                token_mask = input_ids != self.config.pad_token_id  # Llama's fallback without an attention mask
+            batch_size, length = hidden_states.shape[:2]
+            last = last_token_indices(token_mask, batch_size, length, hidden_states.device)
+            return hidden_states[torch.arange(batch_size, device=hidden_states.device), last]
+        if self.config.classifier_pooling == "first":
+            return hidden_states[:, 0]
+        if token_mask is None:
+            return hidden_states.mean(dim=1)
+        weights = token_mask.to(hidden_states.dtype).unsqueeze(-1)
+        return (hidden_states * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1.0)
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        output_router_logits: bool | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> SequenceClassifierOutput:
+        r"""
+        labels (`torch.LongTensor` of shape `(batch_size,)`, *optional*):
+            Class indices (a float target with `num_labels == 1`: regression; `config.problem_type` decides, as in
+            transformers' own classifiers).
+        """
+        router = RouterRequest.of(self.config, labels, output_router_logits)
+        outputs, router_losses = self.run_stack(input_ids, attention_mask, inputs_embeds, router, **kwargs)
+        pooled = self.pool(outputs.last_hidden_state, attention_mask, input_ids)
+        logits = self.classifier(self.dropout(pooled))
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(labels=labels, pooled_logits=logits, config=self.config, **kwargs)
+        logits, loss = self.with_router_losses(logits, loss, router_losses)
+        return SequenceClassifierOutput(
+            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
+        )
+
+
+class VanillaTransformerForTokenClassification(SingleStackTaskHead):
+    """A linear classifier on every token's state (named-entity tagging, BERT §4.3); on the causal decoder a token's
+    label is predicted from it and the tokens before it only."""
+
+    def __init__(self, config: VanillaTransformerConfig):
+        super().__init__(config)
+        self.dropout = nn.Dropout(self.config.classifier_dropout)
+        self.classifier = nn.Linear(self.config.d_model, self.config.num_labels)
+        self._set_auto_map()
+        self.post_init()
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        output_router_logits: bool | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> TokenClassifierOutput:
+        r"""
+        labels (`torch.LongTensor` of shape `(batch_size, length)`, *optional*):
+            A class index per token, -100 where ignored (padding, continuation word pieces).
+        """
+        router = RouterRequest.of(self.config, labels, output_router_logits)
+        outputs, router_losses = self.run_stack(input_ids, attention_mask, inputs_embeds, router, **kwargs)
+        logits = self.classifier(self.dropout(outputs.last_hidden_state))
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits, labels, self.config, **kwargs)
+        logits, loss = self.with_router_losses(logits, loss, router_losses)
+        return TokenClassifierOutput(
+            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
+        )
+
+
+class VanillaTransformerForQuestionAnswering(SingleStackTaskHead):
+    """Extractive question answering (BERT §4.2): a start and an end score per token of "question [SEP] context";
+    the answer is the best-scoring span."""
+
+    def __init__(self, config: VanillaTransformerConfig):
+        super().__init__(config)
+        self.qa_outputs = nn.Linear(self.config.d_model, 2)
+        self._set_auto_map()
+        self.post_init()
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        start_positions: torch.LongTensor | None = None,
+        end_positions: torch.LongTensor | None = None,
+        output_router_logits: bool | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> QuestionAnsweringModelOutput:
+        r"""
+        start_positions, end_positions (`torch.LongTensor` of shape `(batch_size,)`, *optional*):
+            The answer span's first and last token; positions outside the sequence are clamped and ignored, as in
+            transformers' QA heads.
+        """
+        labels = None if start_positions is None or end_positions is None else start_positions
+        router = RouterRequest.of(self.config, labels, output_router_logits)
+        outputs, router_losses = self.run_stack(input_ids, attention_mask, inputs_embeds, router, **kwargs)
+        logits = self.qa_outputs(outputs.last_hidden_state)
+        loss = None
+        if labels is not None:
+            start_logits, end_logits = logits.unbind(dim=-1)
+            loss = self.loss_function(start_logits, end_logits, start_positions, end_positions, **kwargs)
+        logits, loss = self.with_router_losses(logits, loss, router_losses)
+        start_logits, end_logits = logits.unbind(dim=-1)
+        return QuestionAnsweringModelOutput(
+            loss=loss,
+            start_logits=start_logits.contiguous(),
+            end_logits=end_logits.contiguous(),
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
+
+
+__all__ = [
+    "VanillaTransformerForMaskedLM",
+    "VanillaTransformerForSequenceClassification",
+    "VanillaTransformerForTokenClassification",
+    "VanillaTransformerForQuestionAnswering",
+]

@@ -35,7 +35,7 @@ from .moe_vanilla_transformer import (
     counted_router_rows,
     router_logits_per_position,
 )
-from .packing_vanilla_transformer import positions_the_loss_needs, token_mask_of
+from .packing_vanilla_transformer import PackedTokens, positions_the_loss_needs, token_mask_of
 
 
 @dataclass
@@ -80,13 +80,13 @@ class TokenPredictions:
                 where ignored
     token_mask  the positions the stack must compute: those the loss reads and the real tokens before them; None
                 without labels (every token of the attention mask)
-    scored      in training with `config.padding_free`, the positions whose logits the loss reads: the only logits a
-                training step needs, the rest are returned as 0
+    scored      in training with `config.padding_free`, where the loss ignores some positions, the layout of those it
+                reads: the only logits a training step needs, the rest are returned as 0
     """
 
     targets: torch.Tensor | None
     token_mask: torch.Tensor | None
-    scored: torch.Tensor | None
+    scored: PackedTokens | None
     router: RouterRequest
 
     def routed_positions(self, attention_mask: torch.Tensor | None, length: int) -> torch.Tensor | None:
@@ -117,7 +117,7 @@ class TokenPredictionHead(VanillaTransformerPreTrainedModel):
         return TokenPredictions(
             targets=targets,
             token_mask=positions_the_loss_needs(counted, token_mask_of(attention_mask)),
-            scored=counted if only_counted else None,
+            scored=PackedTokens.of(counted) if only_counted else None,
             router=RouterRequest.of(self.config, targets, output_router_logits),
         )
 
@@ -132,21 +132,22 @@ class TokenPredictionHead(VanillaTransformerPreTrainedModel):
         """(loss, logits): the vocabulary projection of the positions the plan keeps, the router losses carried into
         its gradient, and the loss over the targets (plus the router losses, as a value: their gradient already
         flows through the logits)."""
-        logits = self.lm_head(
-            slice_logits_to_keep(hidden_states, logits_to_keep if plan.scored is None else plan.scored)
-        )
+        if plan.scored is None:
+            logits = self.lm_head(slice_logits_to_keep(hidden_states, logits_to_keep))
+        else:
+            logits = self.lm_head(plan.scored.pack(hidden_states))
         if router_losses is not None:
             logits = attach_router_loss(logits, router_losses.total)
         loss = None
         if plan.targets is not None:
-            targets = plan.targets if plan.scored is None else plan.targets[plan.scored]
+            targets = plan.targets if plan.scored is None else plan.scored.pack(plan.targets)
             # Summed over tokens and divided by num_items_in_batch when the Trainer passes it: exact under gradient
             # accumulation, unlike a per-batch mean.
             loss = self.loss_function(logits, targets, vocab_size=self.config.vocab_size, **kwargs)
             if router_losses is not None:
                 loss = loss + router_losses.total.detach()
         if plan.scored is not None:  # the returned logits keep the (batch, length, vocab) layout, 0 where unscored
-            logits = logits.new_zeros(*plan.scored.shape, logits.shape[-1]).index_put((plan.scored,), logits)
+            logits = plan.scored.unpack(logits)
         return loss, logits
 
 

@@ -452,7 +452,8 @@ class VanillaTransformerStack(VanillaTransformerPreTrainedModel):
         torch.compile, torch.export), so that every path can be compared with every other."""
         if hidden_states.dim() == 2:
             return packed_tokens.unpack(hidden_states)
-        if token_mask is None:
+        # Padding exists where a layout was built, or may exist where none could be (while compiling).
+        if token_mask is None or (packed_tokens is None and not is_torchdynamo_compiling()):
             return hidden_states
         return hidden_states * token_mask.unsqueeze(-1).to(hidden_states.dtype)
 

@@ -54,9 +54,10 @@ def runs_causal_decoder(config: VanillaTransformerConfig) -> bool:
 def positions_after_left_padding(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
     """Position ids that start at 0 on each row's first real token, as `generate` gives left-padded prompts: a row's
     outputs then do not depend on the padding in front of it. Padding positions get 0 (they are masked anyway)."""
-    if attention_mask is None or attention_mask.dim() != 2:
+    token_mask = token_mask_of(attention_mask)
+    if token_mask is None:
         return None
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    return (token_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
 def last_token_indices(token_mask: torch.Tensor | None, batch_size: int, length: int, device) -> torch.Tensor:

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from transformers.cache_utils import Cache
-from transformers.generation import GenerationMixin
 from transformers.modeling_outputs import (
     BaseModelOutput,
     CausalLMOutputWithPast,
@@ -24,6 +23,12 @@ from transformers.utils import TransformersKwargs, can_return_tuple
 
 from .configuration_vanilla_transformer import VanillaTransformerConfig
 from .generation_vanilla_transformer import VanillaTransformerGenerationMixin
+from .inputs_vanilla_transformer import (
+    IGNORE_INDEX,
+    check_can_shift_labels,
+    check_sequence_classification_labels,
+    check_token_labels,
+)
 from .modeling_vanilla_transformer import (
     SEQ2SEQ_AUTO_MAP,
     VanillaTransformerDecoder,
@@ -39,6 +44,26 @@ from .moe_vanilla_transformer import (
     router_logits_per_position,
 )
 from .packing_vanilla_transformer import positions_the_loss_needs, token_mask_of
+
+
+def first_given(*tensors: torch.Tensor | None) -> torch.Tensor | None:
+    return next((tensor for tensor in tensors if tensor is not None), None)
+
+
+def require_encoder_decoder(config: VanillaTransformerConfig) -> None:
+    """The encoder-decoder head needs an encoder-decoder config: a decoder-only or encoder-only checkpoint would load
+    into a model without cross-attention (or without its weights) and fail later, or silently be random."""
+    if not config.is_encoder_decoder:
+        auto_class, head = (
+            ("AutoModelForCausalLM", "VanillaTransformerForCausalLM")
+            if config.is_decoder
+            else ("AutoModelForSequenceClassification", "VanillaTransformerForSequenceClassification")
+        )
+        raise ValueError(
+            f"This config is {'decoder' if config.is_decoder else 'encoder'}-only (is_encoder_decoder=False, "
+            f"is_decoder={config.is_decoder}): an encoder-decoder head cannot run it. Load it with {auto_class} "
+            f"({head}), or set is_encoder_decoder=True for a new encoder-decoder model."
+        )
 
 
 @dataclass
@@ -113,7 +138,8 @@ class TokenPredictionHead(VanillaTransformerPreTrainedModel):
     ) -> TokenPredictions:
         if targets is None:
             return TokenPredictions(None, None, None, RouterRequest.of(self.config, None, output_router_logits))
-        counted = targets != -100
+        targets = targets.contiguous()  # transformers' loss flattens them with view()
+        counted = targets != IGNORE_INDEX
         only_counted = (
             self.training and self.config.padding_free and isinstance(logits_to_keep, int) and not logits_to_keep
         )
@@ -144,7 +170,10 @@ class TokenPredictionHead(VanillaTransformerPreTrainedModel):
         if plan.targets is not None:
             targets = plan.targets if plan.scored is None else plan.targets[plan.scored]
             # Summed over tokens and divided by num_items_in_batch when the Trainer passes it: exact under gradient
-            # accumulation, unlike a per-batch mean.
+            # accumulation, unlike a per-batch mean. Otherwise divided by the counted tokens, at least 1, so that a
+            # batch whose labels are all ignored has loss 0 rather than the NaN of an empty mean.
+            if kwargs.get("num_items_in_batch") is None:
+                kwargs["num_items_in_batch"] = (targets != IGNORE_INDEX).sum().clamp(min=1)
             loss = self.loss_function(logits, targets, vocab_size=self.config.vocab_size, **kwargs)
             if router_losses is not None:
                 loss = loss + router_losses.total.detach()
@@ -163,6 +192,7 @@ class VanillaTransformerForConditionalGeneration(TokenPredictionHead, VanillaTra
     _auto_map = SEQ2SEQ_AUTO_MAP
 
     def __init__(self, config: VanillaTransformerConfig):
+        require_encoder_decoder(config)
         super().__init__(config)
         self.model = VanillaTransformerModel(config)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=config.lm_head_bias)
@@ -182,6 +212,7 @@ class VanillaTransformerForConditionalGeneration(TokenPredictionHead, VanillaTra
         return embeddings
 
     def prepare_decoder_input_ids_from_labels(self, labels: torch.Tensor) -> torch.Tensor:
+        check_can_shift_labels(self.config.pad_token_id, self.config.decoder_start_token_id)
         return shift_tokens_right(labels, self.config.pad_token_id, self.config.decoder_start_token_id)
 
     @can_return_tuple
@@ -209,6 +240,8 @@ class VanillaTransformerForConditionalGeneration(TokenPredictionHead, VanillaTra
         With experts (`num_experts > 0`) the output is a `Seq2SeqMoEOutput` with per-stack balancing and z-losses;
         their weighted sum is already in the gradient of any loss built from `logits` (see `attach_router_loss`).
         """
+        decoder_inputs = first_given(decoder_input_ids, decoder_inputs_embeds)
+        check_token_labels(labels, self.config.vocab_size, decoder_inputs, "decoder_input_ids")
         if labels is not None and decoder_input_ids is None and decoder_inputs_embeds is None:
             decoder_input_ids = self.prepare_decoder_input_ids_from_labels(labels)
         plan = self.plan(labels, decoder_attention_mask, logits_to_keep, output_router_logits)
@@ -259,7 +292,7 @@ class VanillaTransformerForConditionalGeneration(TokenPredictionHead, VanillaTra
         )
 
 
-class VanillaTransformerForCausalLM(TokenPredictionHead, GenerationMixin):
+class VanillaTransformerForCausalLM(TokenPredictionHead, VanillaTransformerGenerationMixin):
     """Decoder-only language model (GPT-style): the decoder stack without cross-attention, and a tied LM head."""
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
@@ -305,6 +338,7 @@ class VanillaTransformerForCausalLM(TokenPredictionHead, GenerationMixin):
         With experts the output is a `MoeCausalLMOutput` (Mixtral's, plus `z_loss`); the weighted router losses are
         already in the gradient of any loss built from `logits` (see `attach_router_loss`).
         """
+        check_token_labels(labels, self.config.vocab_size, first_given(input_ids, inputs_embeds), "input_ids")
         plan = self.plan(
             self.next_token_targets(labels, kwargs.get("shift_labels")),
             attention_mask,
@@ -386,6 +420,8 @@ class VanillaTransformerForSequenceClassification(VanillaTransformerPreTrainedMo
             output_router_logits=router.compute,
             **kwargs,
         )
+        batch_size = outputs.last_hidden_state.shape[0]
+        check_sequence_classification_labels(labels, batch_size, self.config.num_labels, self.config.problem_type)
         logits = self.classifier(self.dropout(self.pool(outputs.last_hidden_state, attention_mask)))
         padding_mask = token_mask_of(attention_mask)
         router_losses = router.losses(self.config, encoder=(outputs.router_logits, padding_mask, padding_mask))

@@ -50,6 +50,13 @@ def first_given(*tensors: torch.Tensor | None) -> torch.Tensor | None:
     return next((tensor for tensor in tensors if tensor is not None), None)
 
 
+def current_tokens(attention_mask: torch.Tensor | None, length: int) -> torch.Tensor | None:
+    """The tokens among the last `length` columns of a padding mask: the positions of this forward (the mask of a
+    decoding step also covers the cache)."""
+    padding_mask = token_mask_of(attention_mask)
+    return None if padding_mask is None else padding_mask[:, -length:]
+
+
 def require_encoder_decoder(config: VanillaTransformerConfig) -> None:
     """The encoder-decoder head needs an encoder-decoder config: a decoder-only or encoder-only checkpoint would load
     into a model without cross-attention (or without its weights) and fail later, or silently be random."""
@@ -120,10 +127,7 @@ class TokenPredictions:
     def routed_positions(self, attention_mask: torch.Tensor | None, length: int) -> torch.Tensor | None:
         """The positions the stack computed (and its MoE layers routed): `token_mask`, else the tokens among the
         attention mask's last `length` columns (the mask of a decoding step also covers the cache)."""
-        if self.token_mask is not None:
-            return self.token_mask
-        padding_mask = token_mask_of(attention_mask)
-        return None if padding_mask is None else padding_mask[:, -length:]
+        return self.token_mask if self.token_mask is not None else current_tokens(attention_mask, length)
 
 
 class TokenPredictionHead(VanillaTransformerPreTrainedModel):
@@ -267,7 +271,7 @@ class VanillaTransformerForConditionalGeneration(TokenPredictionHead, VanillaTra
             decoder=(
                 getattr(outputs, "decoder_router_logits", None),
                 target_mask,
-                token_mask_of(decoder_attention_mask),
+                current_tokens(decoder_attention_mask, outputs.last_hidden_state.shape[1]),
             ),
         )
         loss, logits = self.predict(plan, outputs.last_hidden_state, logits_to_keep, router_losses, **kwargs)
@@ -357,7 +361,7 @@ class VanillaTransformerForCausalLM(TokenPredictionHead, VanillaTransformerGener
             **kwargs,
         )
         token_mask = plan.routed_positions(attention_mask, outputs.last_hidden_state.shape[1])
-        padding_mask = token_mask_of(attention_mask)
+        padding_mask = current_tokens(attention_mask, outputs.last_hidden_state.shape[1])
         router_losses = plan.router.losses(self.config, decoder=(outputs.router_logits, token_mask, padding_mask))
         loss, logits = self.predict(plan, outputs.last_hidden_state, logits_to_keep, router_losses, **kwargs)
         fields = dict(

@@ -673,7 +673,10 @@ class VanillaTransformerModel(VanillaTransformerPreTrainedModel):
             The decoder's `token_mask`: the target positions whose outputs are needed.
         """
         source_tokens = None  # the layout of the source tokens, built once for the encoder and cross-attention
-        if encoder_outputs is None:
+        # Router logits describe the layers that run in this call: those of given encoder outputs (generate passes
+        # them at every step, not expanded to the beams) are not returned.
+        encoder_runs = encoder_outputs is None
+        if encoder_runs:
             source_tokens = self.encoder.token_layout(attention_mask)  # the encoder checks the mask's shape
             encoder_outputs = self.encoder(
                 input_ids=input_ids,
@@ -710,7 +713,7 @@ class VanillaTransformerModel(VanillaTransformerPreTrainedModel):
             return Seq2SeqModelOutput(**outputs)
         return Seq2SeqMoEModelOutput(
             **outputs,
-            encoder_router_logits=getattr(encoder_outputs, "router_logits", None),
+            encoder_router_logits=getattr(encoder_outputs, "router_logits", None) if encoder_runs else None,
             decoder_router_logits=decoder_outputs.router_logits,
         )
 

@@ -251,6 +251,7 @@ class VanillaTransformerForConditionalGeneration(TokenPredictionHead, VanillaTra
         plan = self.plan(labels, decoder_attention_mask, logits_to_keep, output_router_logits)
         outputs = self.model(
             input_ids,
+            return_dict=True,  # the head reads fields; its own return_dict applies to its output
             attention_mask=attention_mask,
             decoder_input_ids=decoder_input_ids,
             decoder_attention_mask=decoder_attention_mask,
@@ -350,6 +351,7 @@ class VanillaTransformerForCausalLM(TokenPredictionHead, VanillaTransformerGener
             output_router_logits,
         )
         outputs = self.model(
+            return_dict=True,  # the head reads fields; its own return_dict applies to its output
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
@@ -418,6 +420,7 @@ class VanillaTransformerForSequenceClassification(VanillaTransformerPreTrainedMo
     ) -> SequenceClassifierOutput:
         router = RouterRequest.of(self.config, labels, output_router_logits)
         outputs = self.model(
+            return_dict=True,  # the head reads fields; its own return_dict applies to its output
             input_ids=input_ids,
             attention_mask=attention_mask,
             inputs_embeds=inputs_embeds,

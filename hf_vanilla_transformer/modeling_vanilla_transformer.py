@@ -679,6 +679,7 @@ class VanillaTransformerModel(VanillaTransformerPreTrainedModel):
         if encoder_runs:
             source_tokens = self.encoder.token_layout(attention_mask)  # the encoder checks the mask's shape
             encoder_outputs = self.encoder(
+                return_dict=True,  # fields are read below; return_dict applies to this model's output
                 input_ids=input_ids,
                 attention_mask=attention_mask,
                 inputs_embeds=inputs_embeds,
@@ -688,6 +689,7 @@ class VanillaTransformerModel(VanillaTransformerPreTrainedModel):
         elif not isinstance(encoder_outputs, BaseModelOutput):
             encoder_outputs = BaseModelOutput(*encoder_outputs)
         decoder_outputs = self.decoder(
+            return_dict=True,
             input_ids=decoder_input_ids,
             attention_mask=decoder_attention_mask,
             encoder_hidden_states=encoder_outputs.last_hidden_state,

@@ -319,9 +319,10 @@ def load_balancing_loss(
     over them, which a stack with each layer collapsed onto different experts would satisfy). Perfectly balanced
     routing gives k, its minimum; sending everything to k experts gives E.
     """
-    if not router_logits:
+    mask = None if not router_logits else _token_rows(token_mask, router_logits[0])
+    # No token counted (all labels ignored): nothing is imbalanced, and Mixtral's function would divide by zero.
+    if not router_logits or router_logits[0].shape[0] == 0 or (mask is not None and not bool(mask.any())):
         return torch.zeros(())
-    mask = _token_rows(token_mask, router_logits[0])
     top_k, num_experts = config.num_experts_per_tok, config.num_experts
     per_layer = [load_balancing_loss_func((layer,), num_experts, top_k, mask) for layer in router_logits]
     return torch.stack(per_layer).mean()
@@ -330,7 +331,7 @@ def load_balancing_loss(
 def router_z_loss(router_logits: tuple[torch.Tensor, ...] | None, token_mask=None) -> torch.Tensor:
     """ST-MoE's z-loss (Zoph et al. 2022, eq. 5): mean over tokens and layers of logsumexp(logits)^2, padding
     excluded. It keeps router logits small, where the fp32 softmax stays accurate."""
-    if not router_logits:
+    if not router_logits or router_logits[0].shape[0] == 0:
         return torch.zeros(())
     squared = torch.cat([layer.logsumexp(dim=-1) ** 2 for layer in router_logits])
     mask = _token_rows(token_mask, router_logits[0])

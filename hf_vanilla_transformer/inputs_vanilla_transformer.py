@@ -53,9 +53,7 @@ def check_inputs_embeds(inputs_embeds: torch.Tensor, d_model: int, name: str = "
     if not inputs_embeds.is_floating_point():
         raise TypeError(f"{name} must be a floating-point tensor, got dtype {inputs_embeds.dtype}.")
     if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != d_model:
-        raise ValueError(
-            f"{name} has shape {tuple(inputs_embeds.shape)}, expected (batch, length, d_model={d_model})."
-        )
+        raise ValueError(f"{name} has shape {tuple(inputs_embeds.shape)}, expected (batch, length, d_model={d_model}).")
     check_not_empty(inputs_embeds.shape[:2], name)
 
 
@@ -68,10 +66,13 @@ def check_not_empty(batch_and_length: Shape, name: str) -> None:
         )
 
 
-def check_attention_mask(mask: torch.Tensor | None, batch_size: int, query_length: int, key_length: int, name: str):
+def check_attention_mask(
+    mask: torch.Tensor | None, batch_size: int, query_length: int, key_length: int, name: str, cached: bool = False
+) -> None:
     """A padding mask (batch, key_length) of 0/1 or bool (1 = token, 0 = padding), or a 4-D mask the caller built,
-    (batch or 1, heads or 1, query_length, key_length), bool or additive float. Any other rank is refused: transformers'
-    mask functions would ignore a (batch, length, length) mask, and a 1-D one has no batch."""
+    (batch or 1, heads or 1, query_length, key_length), bool or additive float; with a cache (`cached`) a 4-D mask
+    may have more key columns (a static cache's full length). Any other rank is refused: transformers' mask
+    functions would ignore a (batch, length, length) mask, and a 1-D one has no batch."""
     if mask is None:
         return
     _require_tensor(mask, name)
@@ -84,7 +85,11 @@ def check_attention_mask(mask: torch.Tensor | None, batch_size: int, query_lengt
             )
     elif mask.dim() == 4:
         batch, _, rows, columns = mask.shape
-        if batch not in (1, batch_size) or (rows, columns) != (query_length, key_length):
+        if (
+            batch not in (1, batch_size)
+            or rows != query_length
+            or not (columns >= key_length if cached else columns == key_length)
+        ):
             raise ValueError(
                 f"{name} has shape {tuple(mask.shape)}, expected a 4-D mask (batch={batch_size} or 1, heads or 1, "
                 f"query_length={query_length}, key_length={key_length})."
@@ -103,12 +108,13 @@ def check_position_ids(position_ids: torch.Tensor | None, batch_size: int, lengt
         return
     _require_tensor(position_ids, "position_ids")
     _require_integer_dtype(position_ids, "position_ids", "positions")
-    if position_ids.shape[-1:] != (length,) or position_ids.dim() > 2 or (
-        position_ids.dim() == 2 and position_ids.shape[0] not in (1, batch_size)
+    if (
+        position_ids.shape[-1:] != (length,)
+        or position_ids.dim() > 2
+        or (position_ids.dim() == 2 and position_ids.shape[0] not in (1, batch_size))
     ):
         raise ValueError(
-            f"position_ids has shape {tuple(position_ids.shape)}, expected (batch={batch_size} or 1, "
-            f"length={length})."
+            f"position_ids has shape {tuple(position_ids.shape)}, expected (batch={batch_size} or 1, length={length})."
         )
     if _checks_values() and bool((position_ids < 0).any()):
         raise ValueError(f"position_ids must be >= 0, got {int(position_ids.min())}.")
@@ -199,6 +205,7 @@ def check_can_shift_labels(pad_token_id: int | None, decoder_start_token_id: int
                 f"labels without decoder_input_ids need config.{name} (the decoder input is the labels shifted right "
                 "behind decoder_start_token_id, -100 replaced by pad_token_id); set it, or pass decoder_input_ids."
             )
+
 
 __all__ = [
     "IGNORE_INDEX",

@@ -56,10 +56,10 @@ Stack = Literal["encoder", "decoder"]
 
 
 def checked_token_mask(
-    mask: torch.Tensor | None, batch_size: int, query_length: int, key_length: int, name: str
+    mask: torch.Tensor | None, batch_size: int, query_length: int, key_length: int, name: str, cached: bool = False
 ) -> torch.Tensor | None:
     """`token_mask_of(mask)`, after checking the mask (see `check_attention_mask`)."""
-    check_attention_mask(mask, batch_size, query_length, key_length, name)
+    check_attention_mask(mask, batch_size, query_length, key_length, name, cached)
     return token_mask_of(mask)
 
 
@@ -552,7 +552,8 @@ class VanillaTransformerDecoder(VanillaTransformerStack):
         inputs_embeds, hidden_states, rotary = self.embed(input_ids, inputs_embeds, position_ids, past_length)
         batch_size, length = inputs_embeds.shape[:2]
         mask_name = f"{self.argument_prefix}attention_mask"
-        padding_mask = checked_token_mask(attention_mask, batch_size, length, past_length + length, mask_name)
+        cached = past_key_values is not None
+        padding_mask = checked_token_mask(attention_mask, batch_size, length, past_length + length, mask_name, cached)
         if token_mask is None and padding_mask is not None:  # the mask also covers the cache: this step's columns
             token_mask = padding_mask[:, past_length:]
         packed_tokens = self.token_layout(token_mask)

@@ -80,7 +80,9 @@ def padded_batches(draw, vocab_size: int, left_padding: bool = False) -> tuple[t
     """(input_ids, attention_mask): 1-3 rows of 1-MAX_LENGTH tokens, padded to the longest."""
     lengths = draw(st.lists(st.integers(1, MAX_LENGTH), min_size=1, max_size=3))
     width = max(lengths)
-    ids = torch.tensor(draw(st.lists(st.integers(0, vocab_size - 1), min_size=len(lengths) * width, max_size=len(lengths) * width)))
+    ids = torch.tensor(
+        draw(st.lists(st.integers(0, vocab_size - 1), min_size=len(lengths) * width, max_size=len(lengths) * width))
+    )
     mask = (torch.arange(width) < torch.tensor(lengths)[:, None]).long()
     if left_padding:
         mask = mask.flip(1)
@@ -94,7 +96,9 @@ def labels_of(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 def training_inputs(head: type, config: VanillaTransformerConfig, ids: torch.Tensor, mask: torch.Tensor) -> dict:
     if head is VanillaTransformerForSequenceClassification:
         # transformers' loss reads problem_type None as regression for one label, else as the labels' dtype says.
-        problem_type = config.problem_type or ("regression" if config.num_labels == 1 else "single_label_classification")
+        problem_type = config.problem_type or (
+            "regression" if config.num_labels == 1 else "single_label_classification"
+        )
         if problem_type == "single_label_classification":
             labels = torch.arange(len(ids)) % config.num_labels
         elif problem_type == "regression" and config.num_labels == 1:
@@ -103,7 +107,10 @@ def training_inputs(head: type, config: VanillaTransformerConfig, ids: torch.Ten
             labels = torch.rand(len(ids), config.num_labels).round()
         return dict(input_ids=ids, attention_mask=mask, labels=labels)
     inputs = dict(input_ids=ids, attention_mask=mask, labels=labels_of(ids, mask))
-    if head is VanillaTransformerForConditionalGeneration and None in (config.pad_token_id, config.decoder_start_token_id):
+    if head is VanillaTransformerForConditionalGeneration and None in (
+        config.pad_token_id,
+        config.decoder_start_token_id,
+    ):
         inputs["decoder_input_ids"] = ids  # labels alone cannot be shifted into decoder inputs (tested below)
     return inputs
 
@@ -212,8 +219,14 @@ def corruptions(head: type, ids: torch.Tensor, mask: torch.Tensor) -> dict[str, 
         "zero length": (dict(input_ids=ids[:, :0], **target), "input_ids"),
         "1-D mask": (dict(ok, attention_mask=mask[0]), "attention_mask"),
         "3-D mask": (dict(ok, attention_mask=mask[:, None, :].expand(batch, length, length)), "attention_mask"),
-        "4-D mask of the wrong length": (dict(ok, attention_mask=torch.ones(batch, 1, length, length + 1)), "attention_mask"),
-        "-1 for padding": (dict(ok, attention_mask=(mask * 2 - 1).index_fill(1, torch.tensor([length - 1]), -1)), "attention_mask"),
+        "4-D mask of the wrong length": (
+            dict(ok, attention_mask=torch.ones(batch, 1, length, length + 1)),
+            "attention_mask",
+        ),
+        "-1 for padding": (
+            dict(ok, attention_mask=(mask * 2 - 1).index_fill(1, torch.tensor([length - 1]), -1)),
+            "attention_mask",
+        ),
         "mask of another batch": (dict(ok, attention_mask=torch.cat([mask, mask])), "attention_mask"),
         "embeddings of the wrong width": (
             dict(ok, input_ids=None, inputs_embeds=torch.randn(batch, length, TINY["d_model"] + 1)),
@@ -223,7 +236,10 @@ def corruptions(head: type, ids: torch.Tensor, mask: torch.Tensor) -> dict[str, 
     if head is VanillaTransformerForSequenceClassification:
         class_ids = torch.arange(batch) % num_labels
         cases |= {
-            "label >= num_labels": (dict(ok, labels=class_ids.index_fill(0, torch.tensor([batch - 1]), num_labels)), "labels"),
+            "label >= num_labels": (
+                dict(ok, labels=class_ids.index_fill(0, torch.tensor([batch - 1]), num_labels)),
+                "labels",
+            ),
             "negative label": (dict(ok, labels=class_ids - num_labels), "labels"),
             "labels of another batch": (dict(ok, labels=torch.cat([class_ids, class_ids])), "labels"),
             "bool labels": (dict(ok, labels=class_ids.bool()), "labels"),
@@ -231,14 +247,20 @@ def corruptions(head: type, ids: torch.Tensor, mask: torch.Tensor) -> dict[str, 
         return cases
     labels = labels_of(ids, mask)
     cases |= {
-        "label >= vocab in the last position": (dict(ok, labels=labels.index_fill(1, torch.tensor([length - 1]), vocab_size)), "labels"),
+        "label >= vocab in the last position": (
+            dict(ok, labels=labels.index_fill(1, torch.tensor([length - 1]), vocab_size)),
+            "labels",
+        ),
         "float labels": (dict(ok, labels=labels.float()), "labels"),
         "bool labels": (dict(ok, labels=labels.bool()), "labels"),
         "labels of another batch": (dict(ok, labels=torch.cat([labels, labels])), "labels"),
     }
     if is_seq2seq:
         cases |= {
-            "label >= vocab, labels only": (dict(input_ids=ids, labels=labels.index_fill(1, torch.tensor([length - 1]), vocab_size)), "labels"),
+            "label >= vocab, labels only": (
+                dict(input_ids=ids, labels=labels.index_fill(1, torch.tensor([length - 1]), vocab_size)),
+                "labels",
+            ),
             "decoder ids of another batch": (dict(ok, decoder_input_ids=torch.cat([ids, ids])), "decoder_input_ids"),
             "encoder output of the wrong width": (
                 dict(encoder_outputs=(torch.randn(batch, length, TINY["d_model"] - 1),), decoder_input_ids=ids),
@@ -250,7 +272,10 @@ def corruptions(head: type, ids: torch.Tensor, mask: torch.Tensor) -> dict[str, 
             ),
         }
     else:
-        cases["negative position_ids"] = (dict(ok, position_ids=torch.arange(length).expand(batch, -1) - 1), "position_ids")
+        cases["negative position_ids"] = (
+            dict(ok, position_ids=torch.arange(length).expand(batch, -1) - 1),
+            "position_ids",
+        )
     return cases
 
 
@@ -281,7 +306,7 @@ def test_generate_refuses_an_empty_prompt(models, head, prompt):
 @fuzz_settings(max_examples=10)
 @given(data=st.data())
 def test_all_ignored_labels_give_loss_zero_and_strided_labels_work(models, head, data):
-    ids, mask = data.draw(padded_batches(TINY["vocab_size"]))
+    ids, _ = data.draw(padded_batches(TINY["vocab_size"]))
     extra = dict(decoder_input_ids=ids) if head is VanillaTransformerForConditionalGeneration else {}
     ignored = models[head](input_ids=ids, labels=torch.full_like(ids, -100), **extra).loss
     assert ignored.item() == 0.0
@@ -299,14 +324,19 @@ def test_all_ignored_labels_give_loss_zero_and_strided_labels_work(models, head,
 def test_grouped_mm_takes_expert_sizes_its_kernel_cannot(dtype, ffn_type):
     """An expert hidden size of 81 (not a multiple of 16 bytes): grouped_mm falls back to the looped kernel and
     matches the eager experts, forward and gradients."""
-    config = VanillaTransformerConfig(**dict(TINY, encoder_ffn_dim=81, gated_ffn_dim=81), num_experts=2, ffn_type=ffn_type)
+    config = VanillaTransformerConfig(
+        **dict(TINY, encoder_ffn_dim=81, gated_ffn_dim=81), num_experts=2, ffn_type=ffn_type
+    )
     ids = torch.randint(3, TINY["vocab_size"], (2, 5))
     results = {}
     for implementation in ("eager", "grouped_mm"):
         model = build(VanillaTransformerForConditionalGeneration, config, implementation).to(dtype)
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
-        results[implementation] = (loss.detach().float(), model.model.encoder.layers[0].mlp.experts.down_proj.grad.float())
+        results[implementation] = (
+            loss.detach().float(),
+            model.model.encoder.layers[0].mlp.experts.down_proj.grad.float(),
+        )
     assert not grouped_mm_takes(model.model.encoder.layers[0].mlp.experts.down_proj)
     tolerance = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(results["grouped_mm"], results["eager"], **tolerance)

@@ -546,13 +546,13 @@ class VanillaTransformerDecoder(VanillaTransformerStack):
             The layout of the source tokens, when the caller has it already; by default it is built from
             `encoder_attention_mask` while the cross-attention keys and values are not cached.
         """
+        cached = past_key_values is not None  # a given cache may be longer than its content (static)
         if use_cache and past_key_values is None:
             past_key_values = self.new_cache()
         past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
         inputs_embeds, hidden_states, rotary = self.embed(input_ids, inputs_embeds, position_ids, past_length)
         batch_size, length = inputs_embeds.shape[:2]
         mask_name = f"{self.argument_prefix}attention_mask"
-        cached = past_key_values is not None
         padding_mask = checked_token_mask(attention_mask, batch_size, length, past_length + length, mask_name, cached)
         if token_mask is None and padding_mask is not None:  # the mask also covers the cache: this step's columns
             token_mask = padding_mask[:, past_length:]

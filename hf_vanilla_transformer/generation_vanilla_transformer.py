@@ -20,6 +20,8 @@ import torch
 from transformers import GenerationConfig
 from transformers.generation import GenerationMixin
 
+from .inputs_vanilla_transformer import check_token_ids
+
 LengthPenaltyType = Literal["power", "gnmt"]
 LENGTH_PENALTY_TYPES: tuple[str, ...] = ("power", "gnmt")
 
@@ -58,6 +60,13 @@ class VanillaTransformerGenerationMixin(GenerationMixin):
             generation_config.length_penalty_type = penalty_type
         _length_penalty_type(generation_config)
         return generation_config, model_kwargs
+
+    def _prepare_model_inputs(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, str, dict[str, Any]]:
+        # Checked before transformers' generation loop indexes into them (an empty prompt fails there otherwise).
+        inputs, input_name, model_kwargs = super()._prepare_model_inputs(*args, **kwargs)
+        if input_name == "input_ids":
+            check_token_ids(inputs)
+        return inputs, input_name, model_kwargs
 
     def _beam_search(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False, **kw):
         if _length_penalty_type(generation_config) != "gnmt":

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from transformers.cache_utils import Cache
-from transformers.generation import GenerationMixin
 from transformers.modeling_outputs import (
     BaseModelOutput,
     CausalLMOutputWithPast,
@@ -23,6 +22,11 @@ from transformers.utils import TransformersKwargs, can_return_tuple
 
 from .configuration_vanilla_transformer import VanillaTransformerConfig
 from .generation_vanilla_transformer import VanillaTransformerGenerationMixin
+from .inputs_vanilla_transformer import (
+    IGNORE_INDEX,
+    check_can_shift_labels,
+    check_token_labels,
+)
 from .modeling_vanilla_transformer import (
     VanillaTransformerDecoder,
     VanillaTransformerModel,
@@ -36,6 +40,33 @@ from .moe_vanilla_transformer import (
     router_logits_per_position,
 )
 from .packing_vanilla_transformer import PackedTokens, positions_the_loss_needs, token_mask_of
+
+
+def first_given(*tensors: torch.Tensor | None) -> torch.Tensor | None:
+    return next((tensor for tensor in tensors if tensor is not None), None)
+
+
+def current_tokens(attention_mask: torch.Tensor | None, length: int) -> torch.Tensor | None:
+    """The tokens among the last `length` columns of a padding mask: the positions of this forward (the mask of a
+    decoding step also covers the cache)."""
+    padding_mask = token_mask_of(attention_mask)
+    return None if padding_mask is None else padding_mask[:, -length:]
+
+
+def require_encoder_decoder(config: VanillaTransformerConfig) -> None:
+    """The encoder-decoder head needs an encoder-decoder config: a decoder-only or encoder-only checkpoint would load
+    into a model without cross-attention (or without its weights) and fail later, or silently be random."""
+    if not config.is_encoder_decoder:
+        auto_class, head = (
+            ("AutoModelForCausalLM", "VanillaTransformerForCausalLM")
+            if config.is_decoder
+            else ("AutoModelForSequenceClassification", "VanillaTransformerForSequenceClassification")
+        )
+        raise ValueError(
+            f"This config is {'decoder' if config.is_decoder else 'encoder'}-only (is_encoder_decoder=False, "
+            f"is_decoder={config.is_decoder}): an encoder-decoder head cannot run it. Load it with {auto_class} "
+            f"({head}), or set is_encoder_decoder=True for a new encoder-decoder model."
+        )
 
 
 @dataclass
@@ -92,10 +123,7 @@ class TokenPredictions:
     def routed_positions(self, attention_mask: torch.Tensor | None, length: int) -> torch.Tensor | None:
         """The positions the stack computed (and its MoE layers routed): `token_mask`, else the tokens among the
         attention mask's last `length` columns (the mask of a decoding step also covers the cache)."""
-        if self.token_mask is not None:
-            return self.token_mask
-        padding_mask = token_mask_of(attention_mask)
-        return None if padding_mask is None else padding_mask[:, -length:]
+        return self.token_mask if self.token_mask is not None else current_tokens(attention_mask, length)
 
 
 class TokenPredictionHead(VanillaTransformerPreTrainedModel):
@@ -110,7 +138,8 @@ class TokenPredictionHead(VanillaTransformerPreTrainedModel):
     ) -> TokenPredictions:
         if targets is None:
             return TokenPredictions(None, None, None, RouterRequest.of(self.config, None, output_router_logits))
-        counted = targets != -100
+        targets = targets.contiguous()  # transformers' loss flattens them with view()
+        counted = targets != IGNORE_INDEX
         only_counted = (
             self.training and self.config.padding_free and isinstance(logits_to_keep, int) and not logits_to_keep
         )
@@ -142,7 +171,10 @@ class TokenPredictionHead(VanillaTransformerPreTrainedModel):
         if plan.targets is not None:
             targets = plan.targets if plan.scored is None else plan.scored.pack(plan.targets)
             # Summed over tokens and divided by num_items_in_batch when the Trainer passes it: exact under gradient
-            # accumulation, unlike a per-batch mean.
+            # accumulation, unlike a per-batch mean. Otherwise divided by the counted tokens, at least 1, so that a
+            # batch whose labels are all ignored has loss 0 rather than the NaN of an empty mean.
+            if kwargs.get("num_items_in_batch") is None:
+                kwargs["num_items_in_batch"] = (targets != IGNORE_INDEX).sum().clamp(min=1)
             loss = self.loss_function(logits, targets, vocab_size=self.config.vocab_size, **kwargs)
             if router_losses is not None:
                 loss = loss + router_losses.total.detach()
@@ -161,6 +193,7 @@ class VanillaTransformerForConditionalGeneration(TokenPredictionHead, VanillaTra
     _auto_map = {"AutoModelForSeq2SeqLM": "heads_vanilla_transformer.VanillaTransformerForConditionalGeneration"}
 
     def __init__(self, config: VanillaTransformerConfig):
+        require_encoder_decoder(config)
         super().__init__(config)
         self.model = VanillaTransformerModel(config)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=config.lm_head_bias)
@@ -180,6 +213,7 @@ class VanillaTransformerForConditionalGeneration(TokenPredictionHead, VanillaTra
         return embeddings
 
     def prepare_decoder_input_ids_from_labels(self, labels: torch.Tensor) -> torch.Tensor:
+        check_can_shift_labels(self.config.pad_token_id, self.config.decoder_start_token_id)
         return shift_tokens_right(labels, self.config.pad_token_id, self.config.decoder_start_token_id)
 
     @can_return_tuple
@@ -207,11 +241,14 @@ class VanillaTransformerForConditionalGeneration(TokenPredictionHead, VanillaTra
         With experts (`num_experts > 0`) the output is a `Seq2SeqMoEOutput` with per-stack balancing and z-losses;
         their weighted sum is already in the gradient of any loss built from `logits` (see `attach_router_loss`).
         """
+        decoder_inputs = first_given(decoder_input_ids, decoder_inputs_embeds)
+        check_token_labels(labels, self.config.vocab_size, decoder_inputs, "decoder_input_ids")
         if labels is not None and decoder_input_ids is None and decoder_inputs_embeds is None:
             decoder_input_ids = self.prepare_decoder_input_ids_from_labels(labels)
         plan = self.plan(labels, decoder_attention_mask, logits_to_keep, output_router_logits)
         outputs = self.model(
             input_ids,
+            return_dict=True,  # the head reads fields; its own return_dict applies to its output
             attention_mask=attention_mask,
             decoder_input_ids=decoder_input_ids,
             decoder_attention_mask=decoder_attention_mask,
@@ -232,7 +269,7 @@ class VanillaTransformerForConditionalGeneration(TokenPredictionHead, VanillaTra
             decoder=(
                 getattr(outputs, "decoder_router_logits", None),
                 target_mask,
-                token_mask_of(decoder_attention_mask),
+                current_tokens(decoder_attention_mask, outputs.last_hidden_state.shape[1]),
             ),
         )
         loss, logits = self.predict(plan, outputs.last_hidden_state, logits_to_keep, router_losses, **kwargs)
@@ -257,7 +294,7 @@ class VanillaTransformerForConditionalGeneration(TokenPredictionHead, VanillaTra
         )
 
 
-class VanillaTransformerForCausalLM(TokenPredictionHead, GenerationMixin):
+class VanillaTransformerForCausalLM(TokenPredictionHead, VanillaTransformerGenerationMixin):
     """Decoder-only language model (GPT-style): the decoder stack without cross-attention, and a tied LM head."""
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
@@ -303,6 +340,7 @@ class VanillaTransformerForCausalLM(TokenPredictionHead, GenerationMixin):
         With experts the output is a `MoeCausalLMOutput` (Mixtral's, plus `z_loss`); the weighted router losses are
         already in the gradient of any loss built from `logits` (see `attach_router_loss`).
         """
+        check_token_labels(labels, self.config.vocab_size, first_given(input_ids, inputs_embeds), "input_ids")
         plan = self.plan(
             self.next_token_targets(labels, kwargs.get("shift_labels")),
             attention_mask,
@@ -310,6 +348,7 @@ class VanillaTransformerForCausalLM(TokenPredictionHead, GenerationMixin):
             output_router_logits,
         )
         outputs = self.model(
+            return_dict=True,  # the head reads fields; its own return_dict applies to its output
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
@@ -321,7 +360,7 @@ class VanillaTransformerForCausalLM(TokenPredictionHead, GenerationMixin):
             **kwargs,
         )
         token_mask = plan.routed_positions(attention_mask, outputs.last_hidden_state.shape[1])
-        padding_mask = token_mask_of(attention_mask)
+        padding_mask = current_tokens(attention_mask, outputs.last_hidden_state.shape[1])
         router_losses = plan.router.losses(self.config, decoder=(outputs.router_logits, token_mask, padding_mask))
         loss, logits = self.predict(plan, outputs.last_hidden_state, logits_to_keep, router_losses, **kwargs)
         fields = dict(

@@ -27,6 +27,13 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_vanilla_transformer import GATED_FFN_TYPES, VanillaTransformerConfig
 from .feed_forward_vanilla_transformer import build_feed_forward, ffn_activation
+from .inputs_vanilla_transformer import (
+    check_attention_mask,
+    check_inputs_embeds,
+    check_position_ids,
+    check_same_batch,
+    check_stack_inputs,
+)
 from .moe_vanilla_transformer import (
     EXPERTS_FUNCTIONS,
     MoeDecoderOutput,
@@ -52,12 +59,12 @@ Stack = Literal["encoder", "decoder"]
 HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder", "trust_remote_code")
 
 
-def checked_token_mask(mask: torch.Tensor | None, expected_shape: tuple[int, ...], name: str) -> torch.Tensor | None:
-    """`token_mask_of(mask)`, after checking that a 2D mask is (batch, length)."""
-    token_mask = token_mask_of(mask)
-    if token_mask is not None and tuple(token_mask.shape) != tuple(expected_shape):
-        raise ValueError(f"{name} has shape {tuple(mask.shape)}, expected (batch, length) = {tuple(expected_shape)}.")
-    return token_mask
+def checked_token_mask(
+    mask: torch.Tensor | None, batch_size: int, query_length: int, key_length: int, name: str, cached: bool = False
+) -> torch.Tensor | None:
+    """`token_mask_of(mask)`, after checking the mask (see `check_attention_mask`)."""
+    check_attention_mask(mask, batch_size, query_length, key_length, name, cached)
+    return token_mask_of(mask)
 
 
 class ScaledWordEmbedding(nn.Embedding):
@@ -422,12 +429,20 @@ class VanillaTransformerStack(VanillaTransformerPreTrainedModel):
         """(token embeddings, the layers' input, the RoPE table or None); positions continue after the cache."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError(f"Pass exactly one of input_ids or inputs_embeds to the {type(self).__name__}.")
+        check_stack_inputs(input_ids, inputs_embeds, self.config.d_model, self.argument_prefix)
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
+        check_position_ids(position_ids, *inputs_embeds.shape[:2])
         if position_ids is None:
             position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_length
         hidden_states, rotary = self.embed_positions(inputs_embeds, position_ids)
         return inputs_embeds, self.dropout(hidden_states), rotary
+
+    @property
+    def argument_prefix(self) -> str:
+        """How callers name this stack's inputs: "decoder_" (decoder_input_ids, ...) for the decoder of an
+        encoder-decoder."""
+        return "decoder_" if self.config.is_encoder_decoder and isinstance(self, VanillaTransformerDecoder) else ""
 
     def final_norm(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return hidden_states if self.layer_norm is None else self.layer_norm(hidden_states)
@@ -488,7 +503,8 @@ class VanillaTransformerEncoder(VanillaTransformerStack):
             encoder-decoder shares it with cross-attention); by default the encoder builds it.
         """
         inputs_embeds, hidden_states, rotary = self.embed(input_ids, inputs_embeds, position_ids)
-        token_mask = checked_token_mask(attention_mask, inputs_embeds.shape[:2], "attention_mask")
+        batch_size, length = inputs_embeds.shape[:2]
+        token_mask = checked_token_mask(attention_mask, batch_size, length, length, "attention_mask")
         packed_tokens = packed_tokens or self.token_layout(token_mask)
         if self.packs_layers(packed_tokens, kwargs):
             hidden_states = packed_tokens.pack(hidden_states)
@@ -544,12 +560,14 @@ class VanillaTransformerDecoder(VanillaTransformerStack):
             The layout of the source tokens, when the caller has it already; by default it is built from
             `encoder_attention_mask` while the cross-attention keys and values are not cached.
         """
+        cached = past_key_values is not None  # a given cache may be longer than its content (static)
         if use_cache and past_key_values is None:
             past_key_values = self.new_cache()
         past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
         inputs_embeds, hidden_states, rotary = self.embed(input_ids, inputs_embeds, position_ids, past_length)
         batch_size, length = inputs_embeds.shape[:2]
-        padding_mask = checked_token_mask(attention_mask, (batch_size, past_length + length), "decoder_attention_mask")
+        mask_name = f"{self.argument_prefix}attention_mask"
+        padding_mask = checked_token_mask(attention_mask, batch_size, length, past_length + length, mask_name, cached)
         if token_mask is None and padding_mask is not None:  # the mask also covers the cache: this step's columns
             token_mask = padding_mask[:, past_length:]
         packed_tokens = self.token_layout(token_mask)
@@ -571,7 +589,12 @@ class VanillaTransformerDecoder(VanillaTransformerStack):
             position_ids=position_ids,
         )
         if encoder_hidden_states is not None:
-            source_mask = checked_token_mask(encoder_attention_mask, encoder_hidden_states.shape[:2], "attention_mask")
+            check_inputs_embeds(encoder_hidden_states, self.config.d_model, "encoder_outputs.last_hidden_state")
+            source_batch_size, source_length = encoder_hidden_states.shape[:2]
+            check_same_batch(f"{self.argument_prefix}input_ids", batch_size, "the encoder output", source_batch_size)
+            source_mask = checked_token_mask(
+                encoder_attention_mask, batch_size, length, source_length, "attention_mask"
+            )
             # Once cached, the cross-attention keys and values need no encoder states: nothing to pack per step.
             cross_cached = isinstance(past_key_values, EncoderDecoderCache) and any(past_key_values.is_updated.values())
             if encoder_packed_tokens is None and not cross_cached:
@@ -690,9 +713,13 @@ class VanillaTransformerModel(VanillaTransformerPreTrainedModel):
             The decoder's `token_mask`: the target positions whose outputs are needed.
         """
         source_tokens = None  # the layout of the source tokens, built once for the encoder and cross-attention
-        if encoder_outputs is None:
+        # Router logits describe the layers that run in this call: those of given encoder outputs (generate passes
+        # them at every step, not expanded to the beams) are not returned.
+        encoder_runs = encoder_outputs is None
+        if encoder_runs:
             source_tokens = self.encoder.token_layout(attention_mask)  # the encoder checks the mask's shape
             encoder_outputs = self.encoder(
+                return_dict=True,  # fields are read below; return_dict applies to this model's output
                 input_ids=input_ids,
                 attention_mask=attention_mask,
                 inputs_embeds=inputs_embeds,
@@ -702,6 +729,7 @@ class VanillaTransformerModel(VanillaTransformerPreTrainedModel):
         elif not isinstance(encoder_outputs, BaseModelOutput):
             encoder_outputs = BaseModelOutput(*encoder_outputs)
         decoder_outputs = self.decoder(
+            return_dict=True,
             input_ids=decoder_input_ids,
             attention_mask=decoder_attention_mask,
             encoder_hidden_states=encoder_outputs.last_hidden_state,
@@ -727,7 +755,7 @@ class VanillaTransformerModel(VanillaTransformerPreTrainedModel):
             return Seq2SeqModelOutput(**outputs)
         return Seq2SeqMoEModelOutput(
             **outputs,
-            encoder_router_logits=getattr(encoder_outputs, "router_logits", None),
+            encoder_router_logits=getattr(encoder_outputs, "router_logits", None) if encoder_runs else None,
             decoder_router_logits=decoder_outputs.router_logits,
         )
 

@@ -136,6 +136,23 @@ def gated_activation(gate_up: torch.Tensor, activation: nn.Module) -> torch.Tens
     return _GatedActivation.apply(gate_up, activation)
 
 
+def grouped_mm_takes(weight: torch.Tensor) -> bool:
+    """Whether torch's grouped_mm kernels can multiply by these (experts, out, in) matrices: they need every row
+    stride of their operands to be a multiple of 16 bytes, the input dimension in the forward and the output
+    dimension in the backward (an expert hidden size of 81 in fp32, 36 in bf16, fails)."""
+    return all(size * weight.element_size() % 16 == 0 for size in weight.shape[-2:])
+
+
+def looped_grouped_linear(
+    inputs: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, bias: torch.Tensor | None, is_transposed: bool
+) -> torch.Tensor:
+    """`_grouped_linear` through transformers' fallback kernel (one matmul per expert, differentiable, compilable),
+    for the shapes grouped_mm refuses."""
+    weight = weight if is_transposed else weight.transpose(-2, -1)  # (experts, in, out)
+    output = torch.ops.transformers.grouped_mm_fallback(inputs.to(weight.dtype), weight, offs=offsets)
+    return output if bias is None else output + bias
+
+
 def sorted_grouped_mm_experts_forward(
     experts: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
@@ -156,7 +173,10 @@ def sorted_grouped_mm_experts_forward(
 
     def grouped_linear(inputs: torch.Tensor, projection: str) -> torch.Tensor:
         bias = getattr(experts, f"{projection}_bias")[expert_ids] if experts.has_bias else None
-        return _grouped_linear(inputs, getattr(experts, projection), offsets, bias, experts.is_transposed)
+        weight = getattr(experts, projection)
+        if grouped_mm_takes(weight):
+            return _grouped_linear(inputs, weight, offsets, bias, experts.is_transposed)
+        return looped_grouped_linear(inputs, weight, offsets, bias, experts.is_transposed)
 
     up_projection, activate = ("gate_up_proj", experts._apply_gate) if experts.has_gate else ("up_proj", experts.act_fn)
     hidden = activate(grouped_linear(hidden_states.index_select(0, token), up_projection))
@@ -299,9 +319,10 @@ def load_balancing_loss(
     over them, which a stack with each layer collapsed onto different experts would satisfy). Perfectly balanced
     routing gives k, its minimum; sending everything to k experts gives E.
     """
-    if not router_logits:
+    mask = None if not router_logits else _token_rows(token_mask, router_logits[0])
+    # No token counted (all labels ignored): nothing is imbalanced, and Mixtral's function would divide by zero.
+    if not router_logits or router_logits[0].shape[0] == 0 or (mask is not None and not bool(mask.any())):
         return torch.zeros(())
-    mask = _token_rows(token_mask, router_logits[0])
     top_k, num_experts = config.num_experts_per_tok, config.num_experts
     per_layer = [load_balancing_loss_func((layer,), num_experts, top_k, mask) for layer in router_logits]
     return torch.stack(per_layer).mean()
@@ -310,7 +331,7 @@ def load_balancing_loss(
 def router_z_loss(router_logits: tuple[torch.Tensor, ...] | None, token_mask=None) -> torch.Tensor:
     """ST-MoE's z-loss (Zoph et al. 2022, eq. 5): mean over tokens and layers of logsumexp(logits)^2, padding
     excluded. It keeps router logits small, where the fp32 softmax stays accurate."""
-    if not router_logits:
+    if not router_logits or router_logits[0].shape[0] == 0:
         return torch.zeros(())
     squared = torch.cat([layer.logsumexp(dim=-1) ** 2 for layer in router_logits])
     mask = _token_rows(token_mask, router_logits[0])
@@ -410,6 +431,7 @@ __all__ = [
     "dropped_token_counts",
     "expert_capacity",
     "gated_activation",
+    "grouped_mm_takes",
     "load_balancing_loss",
     "router_logits_per_position",
     "router_z_loss",

@@ -21,7 +21,8 @@ from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple
 
 from .configuration_vanilla_transformer import VanillaTransformerConfig
-from .heads_vanilla_transformer import RouterRequest, TokenPredictionHead, TokenPredictions
+from .heads_vanilla_transformer import RouterRequest, TokenPredictionHead, TokenPredictions, first_given
+from .inputs_vanilla_transformer import check_labels, check_sequence_classification_labels, check_token_labels
 from .modeling_vanilla_transformer import (
     VanillaTransformerDecoder,
     VanillaTransformerEncoder,
@@ -99,6 +100,7 @@ class SingleStackTaskHead(VanillaTransformerPreTrainedModel):
             # One pass over the whole input, no cache to fill; positions restart at each row's first token.
             kwargs = dict(kwargs, use_cache=False, position_ids=positions_after_left_padding(attention_mask))
         outputs = self.model(
+            return_dict=True,  # the head reads fields; its own return_dict applies to its output
             input_ids=input_ids,
             attention_mask=attention_mask,
             inputs_embeds=inputs_embeds,
@@ -164,8 +166,10 @@ class VanillaTransformerForMaskedLM(TokenPredictionHead):
         labels (`torch.LongTensor` of shape `(batch_size, length)`, *optional*):
             The original token at each masked position, -100 elsewhere.
         """
+        check_token_labels(labels, self.config.vocab_size, first_given(input_ids, inputs_embeds), "input_ids")
         plan = self.plan(labels, attention_mask, logits_to_keep, output_router_logits)
         outputs = self.model(
+            return_dict=True,  # the head reads fields; its own return_dict applies to its output
             input_ids=input_ids,
             attention_mask=attention_mask,
             inputs_embeds=inputs_embeds,
@@ -226,6 +230,8 @@ class VanillaTransformerForSequenceClassification(SingleStackTaskHead):
         """
         router = RouterRequest.of(self.config, labels, output_router_logits)
         outputs, router_losses = self.run_stack(input_ids, attention_mask, inputs_embeds, router, **kwargs)
+        batch_size = outputs.last_hidden_state.shape[0]
+        check_sequence_classification_labels(labels, batch_size, self.config.num_labels, self.config.problem_type)
         pooled = self.pool(outputs.last_hidden_state, attention_mask, input_ids)
         logits = self.classifier(self.dropout(pooled))
         loss = None
@@ -264,6 +270,7 @@ class VanillaTransformerForTokenClassification(SingleStackTaskHead):
         """
         router = RouterRequest.of(self.config, labels, output_router_logits)
         outputs, router_losses = self.run_stack(input_ids, attention_mask, inputs_embeds, router, **kwargs)
+        check_labels(labels, outputs.last_hidden_state.shape[:2], self.config.num_labels)
         logits = self.classifier(self.dropout(outputs.last_hidden_state))
         loss = None
         if labels is not None:

@@ -168,6 +168,8 @@ def test_every_valid_config_and_head_saves_and_loads_exactly(fields, data):
         with tempfile.TemporaryDirectory() as directory:
             model.save_pretrained(directory)
             loaded = HEADS[head][1].from_pretrained(directory).eval()
+        if config.num_experts:  # the kernel is a run-time choice, not saved: the same one for an exact comparison
+            loaded.set_experts_implementation("eager")
         assert type(loaded) is head
         saved_fields = {**model.config.to_dict(), "_name_or_path": directory}
         assert loaded.config.to_dict() == saved_fields

@@ -299,6 +299,7 @@ class VanillaTransformerForCausalLM(TokenPredictionHead, VanillaTransformerGener
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     _auto_map = {"AutoModelForCausalLM": "heads_vanilla_transformer.VanillaTransformerForCausalLM"}
+    _runs_one_stack = True
 
     def __init__(self, config: VanillaTransformerConfig):
         config = config.for_single_stack("decoder")

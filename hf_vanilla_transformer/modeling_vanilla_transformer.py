@@ -367,6 +367,31 @@ class VanillaTransformerPreTrainedModel(PreTrainedModel):
     _can_compile_fullgraph = True
     # Auto class -> "module.Class" that can load a checkpoint of this class; written into `config.auto_map`.
     _auto_map: dict[str, str] = {}
+    # A head on one stack (decoder-only or encoder-only) cannot take an encoder-decoder checkpoint's weights.
+    _runs_one_stack = False
+
+    @classmethod
+    def checkpoint_config(cls, pretrained_model_name_or_path, config, kwargs: dict) -> PreTrainedConfig:
+        """The config `from_pretrained` will use: the one given, else the checkpoint's, read before any weight."""
+        if isinstance(config, PreTrainedConfig):
+            return config
+        hub_kwargs = {key: kwargs[key] for key in HUB_KWARGS if key in kwargs}
+        return cls.config_class.from_pretrained(pretrained_model_name_or_path, **hub_kwargs)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, config=None, **kwargs):
+        if (
+            cls._runs_one_stack
+            and cls.checkpoint_config(pretrained_model_name_or_path, config, kwargs).is_encoder_decoder
+        ):
+            # Its weights sit under model.encoder / model.decoder, which a single-stack head's `model` does not have:
+            # every layer would be newly initialised, silently but for a warning.
+            raise ValueError(
+                f"{pretrained_model_name_or_path} is an encoder-decoder checkpoint (is_encoder_decoder=True): "
+                f"{cls.__name__} runs one stack and cannot load it. Load it with AutoModelForSeq2SeqLM "
+                "(VanillaTransformerForConditionalGeneration)."
+            )
+        return super().from_pretrained(pretrained_model_name_or_path, *model_args, config=config, **kwargs)
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
@@ -659,11 +684,7 @@ class VanillaTransformerModel(VanillaTransformerPreTrainedModel):
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, config=None, **kwargs):
         if cls is VanillaTransformerModel:
-            probe = config
-            if not isinstance(probe, PreTrainedConfig):
-                hub_kwargs = {key: kwargs[key] for key in HUB_KWARGS if key in kwargs}
-                probe = cls.config_class.from_pretrained(pretrained_model_name_or_path, **hub_kwargs)
-            base_class = base_model_class(probe)
+            base_class = base_model_class(cls.checkpoint_config(pretrained_model_name_or_path, config, kwargs))
             if base_class is not cls:
                 return base_class.from_pretrained(pretrained_model_name_or_path, *model_args, config=config, **kwargs)
         return super().from_pretrained(pretrained_model_name_or_path, *model_args, config=config, **kwargs)

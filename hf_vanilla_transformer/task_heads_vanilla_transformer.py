@@ -22,7 +22,12 @@ from transformers.utils import TransformersKwargs, can_return_tuple
 
 from .configuration_vanilla_transformer import VanillaTransformerConfig
 from .heads_vanilla_transformer import RouterRequest, TokenPredictionHead, TokenPredictions, first_given
-from .inputs_vanilla_transformer import check_labels, check_sequence_classification_labels, check_token_labels
+from .inputs_vanilla_transformer import (
+    IGNORE_INDEX,
+    check_labels,
+    check_sequence_classification_labels,
+    check_token_labels,
+)
 from .modeling_vanilla_transformer import (
     VanillaTransformerDecoder,
     VanillaTransformerEncoder,
@@ -45,6 +50,14 @@ DECODER_AUTO_MAP = {
     "AutoModelForSequenceClassification": ENCODER_AUTO_MAP["AutoModelForSequenceClassification"],
     "AutoModelForTokenClassification": ENCODER_AUTO_MAP["AutoModelForTokenClassification"],
 }
+
+
+def with_item_count(kwargs: dict, labels: torch.Tensor) -> dict:
+    """The loss arguments with `num_items_in_batch` (the labels not ignored, at least 1) unless the Trainer passed
+    it: the loss is then a sum over that count, 0 when every label is ignored, where a mean would be NaN."""
+    if kwargs.get("num_items_in_batch") is not None or labels.is_floating_point():
+        return kwargs
+    return {**kwargs, "num_items_in_batch": (labels != IGNORE_INDEX).sum().clamp(min=1)}
 
 
 def runs_causal_decoder(config: VanillaTransformerConfig) -> bool:
@@ -73,6 +86,8 @@ def last_token_indices(token_mask: torch.Tensor | None, batch_size: int, length:
 class SingleStackTaskHead(VanillaTransformerPreTrainedModel):
     """What the task heads share: `self.model`, the encoder or the causal decoder that the config names, and one run
     of it that also returns the MoE router losses the head's loss must carry."""
+
+    _runs_one_stack = True
 
     def __init__(self, config: VanillaTransformerConfig):
         config = config.for_single_stack("decoder" if runs_causal_decoder(config) else "encoder")
@@ -130,6 +145,7 @@ class VanillaTransformerForMaskedLM(TokenPredictionHead):
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     _auto_map = ENCODER_AUTO_MAP
+    _runs_one_stack = True
 
     def __init__(self, config: VanillaTransformerConfig):
         config = config.for_single_stack("encoder")
@@ -236,6 +252,7 @@ class VanillaTransformerForSequenceClassification(SingleStackTaskHead):
         logits = self.classifier(self.dropout(pooled))
         loss = None
         if labels is not None:
+            kwargs = with_item_count(kwargs, labels)
             loss = self.loss_function(labels=labels, pooled_logits=logits, config=self.config, **kwargs)
         logits, loss = self.with_router_losses(logits, loss, router_losses)
         return SequenceClassifierOutput(
@@ -274,7 +291,7 @@ class VanillaTransformerForTokenClassification(SingleStackTaskHead):
         logits = self.classifier(self.dropout(outputs.last_hidden_state))
         loss = None
         if labels is not None:
-            loss = self.loss_function(logits, labels, self.config, **kwargs)
+            loss = self.loss_function(logits, labels, self.config, **with_item_count(kwargs, labels))
         logits, loss = self.with_router_losses(logits, loss, router_losses)
         return TokenClassifierOutput(
             loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions

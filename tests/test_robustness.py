@@ -13,13 +13,19 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_config import valid_fields
-from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoModelForSequenceClassification
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForSeq2SeqLM,
+    AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
+)
 
 from hf_vanilla_transformer import (
     VanillaTransformerConfig,
     VanillaTransformerForCausalLM,
     VanillaTransformerForConditionalGeneration,
     VanillaTransformerForSequenceClassification,
+    VanillaTransformerForTokenClassification,
 )
 from hf_vanilla_transformer.moe_vanilla_transformer import grouped_mm_takes
 
@@ -376,3 +382,25 @@ def test_a_single_stack_checkpoint_fails_to_load_as_seq2seq_naming_its_auto_clas
         head(VanillaTransformerConfig(**TINY)).save_pretrained(directory)
         with pytest.raises(ValueError, match=auto_class):
             AutoModelForSeq2SeqLM.from_pretrained(directory)
+
+
+@pytest.mark.parametrize(
+    "auto_class", [AutoModelForCausalLM, AutoModelForSequenceClassification, AutoModelForTokenClassification]
+)
+def test_a_seq2seq_checkpoint_fails_to_load_into_a_single_stack_head(auto_class):
+    """Its weights sit under model.encoder / model.decoder: a single-stack head would start from random layers."""
+    with tempfile.TemporaryDirectory() as directory:
+        VanillaTransformerForConditionalGeneration(VanillaTransformerConfig(**TINY)).save_pretrained(directory)
+        with pytest.raises(ValueError, match="AutoModelForSeq2SeqLM"):
+            auto_class.from_pretrained(directory)
+
+
+@pytest.mark.parametrize("head", [VanillaTransformerForSequenceClassification, VanillaTransformerForTokenClassification])
+def test_classifiers_with_every_label_ignored_give_loss_zero(head):
+    model = head(VanillaTransformerConfig(**TINY)).eval()
+    ids = torch.randint(3, TINY["vocab_size"], (2, 5))
+    labels = torch.full((2,) if head is VanillaTransformerForSequenceClassification else (2, 5), -100)
+    assert model(input_ids=ids, labels=labels).loss.item() == 0.0
+    labels[0] = 1  # one counted label (row): the mean cross-entropy over the counted items
+    expected = torch.nn.functional.cross_entropy(model(input_ids=ids).logits.reshape(-1, 3), labels.reshape(-1))
+    torch.testing.assert_close(model(input_ids=ids, labels=labels).loss, expected)

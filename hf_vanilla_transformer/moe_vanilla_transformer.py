@@ -7,8 +7,9 @@
     losses      balancing  E * sum_e f_e P_e per layer  (Switch Transformer eq. 4-6, mask-aware, Mixtral's function)
                 z-loss     mean_tokens (logsumexp x)^2   (ST-MoE eq. 5)
 
-The expert weights themselves (`VanillaTransformerExperts`, 3D tensors in Mixtral's layout) live in the modeling file,
-where transformers looks for `@use_experts_implementation`; everything else is here.
+The expert weights themselves (`VanillaTransformerExperts`, 3D tensors in Mixtral's layout, run by transformers'
+kernels through `@use_experts_implementation`) live with the layers in layers_vanilla_transformer; everything else is
+here.
 """
 
 import math

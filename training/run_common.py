@@ -284,6 +284,13 @@ def plot_training_curves(log_history: list[dict[str, float]], path: str | Path) 
     return Path(path)
 
 
+def schedule_description(training_args: Any) -> str:
+    """The learning-rate schedule of a run, for its model card: the Noam schedule (§5.3) or the Trainer's."""
+    if training_args.noam_schedule:
+        return f"Noam, scale {training_args.learning_rate}, warm-up {training_args.warmup_steps}"
+    return f"{training_args.lr_scheduler_type}, peak {training_args.learning_rate}"
+
+
 def save_run(trainer: Trainer, metrics: dict[str, float], dataset: str, card_args: dict[str, Any]) -> None:
     """Model, tokenizer and code files, then the model card with metrics and the training plot (main process)."""
     trainer.save_model()

@@ -27,6 +27,7 @@ from run_common import (
     new_model_config,
     run_ranks_on_cpu_without_accelerator,
     save_run,
+    schedule_description,
 )
 from train_tokenizer import train_bpe_tokenizer
 from transformers import (
@@ -168,9 +169,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         "block_size": data_args.block_size,
         "optimizer": f"Adam(beta1={training_args.adam_beta1}, beta2={training_args.adam_beta2}, "
         f"eps={training_args.adam_epsilon})",
-        "schedule": f"Noam, scale {training_args.learning_rate}, warm-up {training_args.warmup_steps}"
-        if training_args.noam_schedule
-        else f"{training_args.lr_scheduler_type}, peak {training_args.learning_rate}",
+        "schedule": schedule_description(training_args),
         "steps": trainer.state.global_step,
     }
     description = "Trained with `training/train_causal_lm.py` of hf_vanilla_transformer."

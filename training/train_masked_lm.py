@@ -25,6 +25,7 @@ from run_common import (
     new_model_config,
     required_split,
     save_run,
+    schedule_description,
 )
 from train_causal_lm import PaperTrainer, PaperTrainingArguments
 from train_tokenizer import train_bpe_tokenizer
@@ -123,9 +124,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         "config_overrides": model_args.config_overrides,
         "max_seq_length": data_args.max_seq_length,
         "mlm_probability": data_args.mlm_probability,
-        "schedule": f"Noam, scale {training_args.learning_rate}, warm-up {training_args.warmup_steps}"
-        if training_args.noam_schedule
-        else f"{training_args.lr_scheduler_type}, peak {training_args.learning_rate}",
+        "schedule": schedule_description(training_args),
         "steps": trainer.state.global_step,
     }
     description = "Pretrained as a masked language model with `training/train_masked_lm.py` of hf_vanilla_transformer."

@@ -34,6 +34,7 @@ from run_common import (
     new_model_config,
     run_ranks_on_cpu_without_accelerator,
     save_run,
+    schedule_description,
 )
 from train_tokenizer import train_bpe_tokenizer
 from transformers import (
@@ -248,9 +249,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         "label_smoothing": training_args.label_smoothing_factor,
         "optimizer": f"Adam(beta1={training_args.adam_beta1}, beta2={training_args.adam_beta2}, "
         f"eps={training_args.adam_epsilon})",
-        "schedule": f"Noam, scale {training_args.learning_rate}, warm-up {training_args.warmup_steps}"
-        if training_args.noam_schedule
-        else f"{training_args.lr_scheduler_type}, peak {training_args.learning_rate}",
+        "schedule": schedule_description(training_args),
         "steps": trainer.state.global_step,
         "batch size per device": training_args.per_device_train_batch_size,
         "evaluation decoding": f"beam {training_args.generation_num_beams}, GNMT alpha {training_args.gnmt_alpha}, "

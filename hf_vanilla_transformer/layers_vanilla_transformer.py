@@ -202,57 +202,28 @@ def residual_scale(config: VanillaTransformerConfig, stack: Stack) -> float:
     return deepnorm_constants(config, stack)[0] if config.norm_position == "deepnorm" else 1.0
 
 
-class VanillaTransformerEncoderLayer(GradientCheckpointingLayer):
-    """Self-attention then FFN, each wrapped in dropout, residual and norm (§3.1)."""
+class VanillaTransformerLayer(GradientCheckpointingLayer):
+    """One layer of either stack (§3.1): self-attention, attention over the encoder output (a decoder of an
+    encoder-decoder only), then the FFN; each sub-layer wrapped in dropout, residual and norm. The subclasses name
+    the stack (`stack`): encoder self-attention sees the whole source, decoder self-attention is masked."""
+
+    stack: Stack
 
     def __init__(self, config: VanillaTransformerConfig, layer_idx: int):
         super().__init__()
-        alpha = residual_scale(config, "encoder")
-        heads = config.encoder_attention_heads
-        self.self_attn = VanillaTransformerAttention(config, heads, is_causal=False, layer_idx=layer_idx)
+        alpha = residual_scale(config, self.stack)
+        decoder = self.stack == "decoder"
+        heads = config.decoder_attention_heads if decoder else config.encoder_attention_heads
+        self.self_attn = VanillaTransformerAttention(config, heads, is_causal=decoder, layer_idx=layer_idx)
         self.self_attn_connection = SublayerConnection(config, alpha)
-        self.mlp = build_mlp(config, "encoder", layer_idx)
-        self.mlp_connection = SublayerConnection(config, alpha)
-        set_deepnorm_init_gains(self, config, "encoder")
-
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        **kwargs: Unpack[TransformersKwargs],
-    ) -> torch.Tensor:
-        # Self-attention over the whole source (§3.2.3).
-        residual = hidden_states
-        hidden_states = self.self_attn_connection.sublayer_input(hidden_states)
-        hidden_states, _ = self.self_attn(
-            hidden_states, attention_mask, position_embeddings=position_embeddings, **kwargs
-        )
-        hidden_states = self.self_attn_connection.add_residual(residual, hidden_states)
-
-        # Position-wise feed-forward network, or Mixture of Experts (§3.3).
-        residual = hidden_states
-        hidden_states = self.mlp(self.mlp_connection.sublayer_input(hidden_states), **kwargs)
-        return self.mlp_connection.add_residual(residual, hidden_states)
-
-
-class VanillaTransformerDecoderLayer(GradientCheckpointingLayer):
-    """Masked self-attention, attention over the encoder output (absent when decoder-only), then FFN (§3.1)."""
-
-    def __init__(self, config: VanillaTransformerConfig, layer_idx: int):
-        super().__init__()
-        alpha = residual_scale(config, "decoder")
-        heads = config.decoder_attention_heads
-        self.self_attn = VanillaTransformerAttention(config, heads, is_causal=True, layer_idx=layer_idx)
-        self.self_attn_connection = SublayerConnection(config, alpha)
-        if config.is_encoder_decoder:
+        if decoder and config.is_encoder_decoder:
             self.encoder_attn = VanillaTransformerAttention(
                 config, heads, is_causal=False, is_cross_attention=True, layer_idx=layer_idx
             )
             self.encoder_attn_connection = SublayerConnection(config, alpha)
-        self.mlp = build_mlp(config, "decoder", layer_idx)
+        self.mlp = build_mlp(config, self.stack, layer_idx)
         self.mlp_connection = SublayerConnection(config, alpha)
-        set_deepnorm_init_gains(self, config, "decoder")
+        set_deepnorm_init_gains(self, config, self.stack)
 
     def forward(
         self,
@@ -261,38 +232,42 @@ class VanillaTransformerDecoderLayer(GradientCheckpointingLayer):
         encoder_hidden_states: torch.Tensor | None = None,
         encoder_attention_mask: torch.Tensor | None = None,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        past_key_values: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> torch.Tensor:
-        # Masked self-attention: position i sees positions <= i only (§3.2.3).
-        residual = hidden_states
-        hidden_states = self.self_attn_connection.sublayer_input(hidden_states)
-        hidden_states, _ = self.self_attn(
-            hidden_states,
-            attention_mask,
-            position_embeddings=position_embeddings,
-            past_key_values=past_key_values,
-            **kwargs,
+        """`kwargs` reach both attentions: the decoder's cache (`past_key_values`), the token layouts
+        (`packed_tokens`, `encoder_packed_tokens`) and transformers' attention options."""
+        # Self-attention (§3.2.3): over the whole source in the encoder; in the decoder `attention_mask` is causal,
+        # position i sees positions <= i only.
+        attention_input = self.self_attn_connection.sublayer_input(hidden_states)
+        attention_output, _ = self.self_attn(
+            attention_input, attention_mask, position_embeddings=position_embeddings, **kwargs
         )
-        hidden_states = self.self_attn_connection.add_residual(residual, hidden_states)
+        hidden_states = self.self_attn_connection.add_residual(hidden_states, attention_output)
 
         # Encoder-decoder attention: queries from the decoder, keys and values from the encoder output (§3.2.3).
         if encoder_hidden_states is not None:
-            residual = hidden_states
-            hidden_states = self.encoder_attn_connection.sublayer_input(hidden_states)
-            hidden_states, _ = self.encoder_attn(
-                hidden_states,
-                encoder_attention_mask,
-                key_value_states=encoder_hidden_states,
-                past_key_values=past_key_values,
-                **kwargs,
+            attention_input = self.encoder_attn_connection.sublayer_input(hidden_states)
+            attention_output, _ = self.encoder_attn(
+                attention_input, encoder_attention_mask, key_value_states=encoder_hidden_states, **kwargs
             )
-            hidden_states = self.encoder_attn_connection.add_residual(residual, hidden_states)
+            hidden_states = self.encoder_attn_connection.add_residual(hidden_states, attention_output)
 
         # Position-wise feed-forward network, or Mixture of Experts (§3.3).
-        residual = hidden_states
-        hidden_states = self.mlp(self.mlp_connection.sublayer_input(hidden_states), **kwargs)
-        return self.mlp_connection.add_residual(residual, hidden_states)
+        mlp_output = self.mlp(self.mlp_connection.sublayer_input(hidden_states), **kwargs)
+        return self.mlp_connection.add_residual(hidden_states, mlp_output)
+
+
+class VanillaTransformerEncoderLayer(VanillaTransformerLayer):
+    """An encoder layer: self-attention over the whole source, then FFN."""
+
+    stack = "encoder"
+
+
+class VanillaTransformerDecoderLayer(VanillaTransformerLayer):
+    """A decoder layer: masked self-attention, attention over the encoder output (absent when decoder-only), then
+    FFN."""
+
+    stack = "decoder"
 
 
 __all__ = [
@@ -301,5 +276,6 @@ __all__ = [
     "VanillaTransformerDecoderLayer",
     "VanillaTransformerEncoderLayer",
     "VanillaTransformerExperts",
+    "VanillaTransformerLayer",
     "build_mlp",
 ]

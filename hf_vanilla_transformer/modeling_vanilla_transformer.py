@@ -264,7 +264,9 @@ class VanillaTransformerEncoder(VanillaTransformerStack):
             config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask
         )
         for layer in self.layers:
-            hidden_states = layer(hidden_states, attention_mask, rotary, packed_tokens=packed_tokens, **kwargs)
+            hidden_states = layer(
+                hidden_states, attention_mask, position_embeddings=rotary, packed_tokens=packed_tokens, **kwargs
+            )
         hidden_states = self.final_norm(hidden_states)
         return MoeEncoderOutput(last_hidden_state=self.padded_output(hidden_states, packed_tokens, token_mask))
 

@@ -4,6 +4,7 @@ The two language-model heads share one pipeline (`TokenPredictionHead`): plan wh
 vocabulary projection must compute, run the stack, project, add the MoE router losses, take the loss.
 """
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -18,7 +19,7 @@ from transformers.modeling_outputs import (
 from transformers.modeling_utils import slice_logits_to_keep
 from transformers.models.bart.modeling_bart import shift_tokens_right
 from transformers.processing_utils import Unpack
-from transformers.utils import TransformersKwargs, can_return_tuple
+from transformers.utils import ModelOutput, TransformersKwargs, can_return_tuple
 
 from .configuration_vanilla_transformer import VanillaTransformerConfig
 from .generation_vanilla_transformer import VanillaTransformerGenerationMixin
@@ -28,6 +29,7 @@ from .inputs_vanilla_transformer import (
     check_token_labels,
 )
 from .modeling_vanilla_transformer import (
+    Stack,
     VanillaTransformerDecoder,
     VanillaTransformerModel,
     VanillaTransformerPreTrainedModel,
@@ -103,31 +105,58 @@ class RouterRequest:
         return RouterLosses.of_stacks(config, **counted)
 
 
+def with_router_gradient(logits: torch.Tensor, router_losses: RouterLosses | None) -> torch.Tensor:
+    """The logits, carrying the router losses into the gradient of any loss built from them (`attach_router_loss`)."""
+    return logits if router_losses is None else attach_router_loss(logits, router_losses.total)
+
+
+def with_router_value(loss: torch.Tensor | None, router_losses: RouterLosses | None) -> torch.Tensor | None:
+    """The reported loss plus the router losses, as a value only: their gradient already flows through the logits."""
+    return loss if loss is None or router_losses is None else loss + router_losses.total.detach()
+
+
+def carried_over(output_class: type[ModelOutput], model_outputs: ModelOutput, **fields) -> ModelOutput:
+    """A head's output: `fields`, and every field its class shares with the model's output (cache, hidden states,
+    attentions, encoder outputs), passed on as the model returned it."""
+    shared = {field.name for field in dataclasses.fields(output_class)} & model_outputs.__dataclass_fields__.keys()
+    return output_class(**{**{name: getattr(model_outputs, name) for name in shared}, **fields})
+
+
 @dataclass
 class TokenPredictions:
     """A language-model head's plan for one forward, made before its stack runs.
 
-    targets     (batch, length) labels aligned with the outputs (shifted already for next-token prediction), -100
-                where ignored
-    token_mask  the positions the stack must compute: those the loss reads and the real tokens before them; None
-                without labels (every token of the attention mask)
-    scored      in training with `config.padding_free`, where the loss ignores some positions, the layout of those it
-                reads: the only logits a training step needs, the rest are returned as 0
+    targets         (batch, length) labels aligned with the outputs (shifted already for next-token prediction), -100
+                    where ignored
+    token_mask      the positions the stack must compute: those the loss reads and the real tokens before them; None
+                    without labels (every token of the attention mask)
+    scored          in training with `config.padding_free`, where the loss ignores some positions, the layout of those
+                    it reads: the only logits a training step needs, the rest are returned as 0
+    attention_mask  the padding mask of the predicting stack, as given (a decoding step's also covers the cache)
     """
 
     targets: torch.Tensor | None
     token_mask: torch.Tensor | None
     scored: PackedTokens | None
     router: RouterRequest
+    attention_mask: torch.Tensor | None
 
-    def routed_positions(self, attention_mask: torch.Tensor | None, length: int) -> torch.Tensor | None:
-        """The positions the stack computed (and its MoE layers routed): `token_mask`, else the tokens among the
-        attention mask's last `length` columns (the mask of a decoding step also covers the cache)."""
-        return self.token_mask if self.token_mask is not None else current_tokens(attention_mask, length)
+    def routed_positions(self, length: int) -> torch.Tensor | None:
+        """The positions the stack computed (and its MoE layers routed): `token_mask`, else the tokens of this
+        forward's `length` positions."""
+        return self.token_mask if self.token_mask is not None else current_tokens(self.attention_mask, length)
 
 
 class TokenPredictionHead(VanillaTransformerPreTrainedModel):
-    """The shared part of the two language-model heads: a stack, then `lm_head` tied to the embedding (§3.4)."""
+    """The shared pipeline of the language-model heads: a stack, then `lm_head` tied to the embedding (§3.4).
+
+    A head's `forward` checks its inputs, makes its `plan`, runs `self.model`, and hands the model's output to
+    `predict`, which returns the head's output: `output_class`, or `moe_output_class` with experts.
+    """
+
+    output_class: type[ModelOutput]
+    moe_output_class: type[ModelOutput] | None = None  # None: the head reports no router logits or losses
+    predicting_stack: Stack = "decoder"  # the stack whose outputs `lm_head` projects
 
     def plan(
         self,
@@ -136,8 +165,9 @@ class TokenPredictionHead(VanillaTransformerPreTrainedModel):
         logits_to_keep: int | torch.Tensor,
         output_router_logits: bool | None,
     ) -> TokenPredictions:
+        router = RouterRequest.of(self.config, targets, output_router_logits)
         if targets is None:
-            return TokenPredictions(None, None, None, RouterRequest.of(self.config, None, output_router_logits))
+            return TokenPredictions(None, None, None, router, attention_mask)
         targets = targets.contiguous()  # transformers' loss flattens them with view()
         counted = targets != IGNORE_INDEX
         only_counted = (
@@ -147,10 +177,49 @@ class TokenPredictionHead(VanillaTransformerPreTrainedModel):
             targets=targets,
             token_mask=positions_the_loss_needs(counted, token_mask_of(attention_mask)),
             scored=PackedTokens.of(counted) if only_counted else None,
-            router=RouterRequest.of(self.config, targets, output_router_logits),
+            router=router,
+            attention_mask=attention_mask,
         )
 
     def predict(
+        self,
+        plan: TokenPredictions,
+        outputs: ModelOutput,
+        logits_to_keep: int | torch.Tensor,
+        source_mask: torch.Tensor | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> ModelOutput:
+        """The head's output from its model's `outputs`: logits, loss, router losses and logits, and the model's other
+        fields. `source_mask`: the encoder's padding mask, in an encoder-decoder."""
+        routed = self.routed_positions(plan, outputs.last_hidden_state.shape[1], source_mask)
+        router_logits = {stack: getattr(outputs, self.field_name(stack, "router_logits"), None) for stack in routed}
+        router_losses = plan.router.losses(
+            self.config, **{stack: (router_logits[stack], *masks) for stack, masks in routed.items()}
+        )
+        loss, logits = self.loss_and_logits(plan, outputs.last_hidden_state, logits_to_keep, router_losses, **kwargs)
+        if self.config.num_experts == 0 or self.moe_output_class is None:
+            return carried_over(self.output_class, outputs, loss=loss, logits=logits)
+        returned_logits = {
+            self.field_name(stack, "router_logits"): plan.router.returned(router_logits[stack], routed[stack][0])
+            for stack in routed
+        }
+        losses = router_losses.output_fields(self.field_name("{stack}", "{kind}_loss")) if plan.router.report else {}
+        return carried_over(self.moe_output_class, outputs, loss=loss, logits=logits, **losses, **returned_logits)
+
+    def field_name(self, stack: str, field: str) -> str:
+        """Where an output field of one stack goes: prefixed by the stack in an encoder-decoder (`decoder_aux_loss`,
+        as transformers' Seq2Seq outputs), bare on a single stack (`aux_loss`)."""
+        return f"{stack}_{field}" if self.config.is_encoder_decoder else field
+
+    def routed_positions(
+        self, plan: TokenPredictions, length: int, source_mask: torch.Tensor | None
+    ) -> dict[str, tuple[torch.Tensor | None, torch.Tensor | None]]:
+        """Stack -> (the positions its MoE layers routed, its real tokens), (batch, length) masks or None. The encoder
+        of an encoder-decoder routes every source token."""
+        routed = {self.predicting_stack: (plan.routed_positions(length), current_tokens(plan.attention_mask, length))}
+        return {"encoder": (source_mask, source_mask), **routed} if self.config.is_encoder_decoder else routed
+
+    def loss_and_logits(
         self,
         plan: TokenPredictions,
         hidden_states: torch.Tensor,
@@ -159,14 +228,12 @@ class TokenPredictionHead(VanillaTransformerPreTrainedModel):
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """(loss, logits): the vocabulary projection of the positions the plan keeps, the router losses carried into
-        its gradient, and the loss over the targets (plus the router losses, as a value: their gradient already
-        flows through the logits)."""
+        its gradient, and the loss over the targets (plus the router losses, as a value)."""
         if plan.scored is None:
             logits = self.lm_head(slice_logits_to_keep(hidden_states, logits_to_keep))
         else:
             logits = self.lm_head(plan.scored.pack(hidden_states))
-        if router_losses is not None:
-            logits = attach_router_loss(logits, router_losses.total)
+        logits = with_router_gradient(logits, router_losses)
         loss = None
         if plan.targets is not None:
             targets = plan.targets if plan.scored is None else plan.scored.pack(plan.targets)
@@ -176,11 +243,9 @@ class TokenPredictionHead(VanillaTransformerPreTrainedModel):
             if kwargs.get("num_items_in_batch") is None:
                 kwargs["num_items_in_batch"] = (targets != IGNORE_INDEX).sum().clamp(min=1)
             loss = self.loss_function(logits, targets, vocab_size=self.config.vocab_size, **kwargs)
-            if router_losses is not None:
-                loss = loss + router_losses.total.detach()
         if plan.scored is not None:  # the returned logits keep the (batch, length, vocab) layout, 0 where unscored
             logits = plan.scored.unpack(logits)
-        return loss, logits
+        return with_router_value(loss, router_losses), logits
 
 
 class VanillaTransformerForConditionalGeneration(TokenPredictionHead, VanillaTransformerGenerationMixin):
@@ -190,6 +255,8 @@ class VanillaTransformerForConditionalGeneration(TokenPredictionHead, VanillaTra
     """
 
     _tied_weights_keys = {"lm_head.weight": "model.shared.weight"}
+    output_class = Seq2SeqLMOutput
+    moe_output_class = Seq2SeqMoEOutput
     _auto_map = {"AutoModelForSeq2SeqLM": "heads_vanilla_transformer.VanillaTransformerForConditionalGeneration"}
 
     def __init__(self, config: VanillaTransformerConfig):
@@ -243,7 +310,7 @@ class VanillaTransformerForConditionalGeneration(TokenPredictionHead, VanillaTra
         """
         decoder_inputs = first_given(decoder_input_ids, decoder_inputs_embeds)
         check_token_labels(labels, self.config.vocab_size, decoder_inputs, "decoder_input_ids")
-        if labels is not None and decoder_input_ids is None and decoder_inputs_embeds is None:
+        if labels is not None and decoder_inputs is None:
             decoder_input_ids = self.prepare_decoder_input_ids_from_labels(labels)
         plan = self.plan(labels, decoder_attention_mask, logits_to_keep, output_router_logits)
         outputs = self.model(
@@ -258,46 +325,18 @@ class VanillaTransformerForConditionalGeneration(TokenPredictionHead, VanillaTra
             decoder_inputs_embeds=decoder_inputs_embeds,
             use_cache=use_cache,
             decoder_token_mask=plan.token_mask,
-            output_router_logits=plan.router.compute or plan.router.return_logits,
+            output_router_logits=plan.router.compute,
             **kwargs,
         )
-        source_mask = token_mask_of(attention_mask)
-        target_mask = plan.routed_positions(decoder_attention_mask, outputs.last_hidden_state.shape[1])
-        router_losses = plan.router.losses(
-            self.config,
-            encoder=(getattr(outputs, "encoder_router_logits", None), source_mask, source_mask),
-            decoder=(
-                getattr(outputs, "decoder_router_logits", None),
-                target_mask,
-                current_tokens(decoder_attention_mask, outputs.last_hidden_state.shape[1]),
-            ),
-        )
-        loss, logits = self.predict(plan, outputs.last_hidden_state, logits_to_keep, router_losses, **kwargs)
-        fields = dict(
-            loss=loss,
-            logits=logits,
-            past_key_values=outputs.past_key_values,
-            decoder_hidden_states=outputs.decoder_hidden_states,
-            decoder_attentions=outputs.decoder_attentions,
-            cross_attentions=outputs.cross_attentions,
-            encoder_last_hidden_state=outputs.encoder_last_hidden_state,
-            encoder_hidden_states=outputs.encoder_hidden_states,
-            encoder_attentions=outputs.encoder_attentions,
-        )
-        if self.config.num_experts == 0:
-            return Seq2SeqLMOutput(**fields)
-        return Seq2SeqMoEOutput(
-            **fields,
-            **(router_losses.output_fields("{stack}_{kind}_loss") if plan.router.report else {}),
-            encoder_router_logits=plan.router.returned(outputs.encoder_router_logits, source_mask),
-            decoder_router_logits=plan.router.returned(outputs.decoder_router_logits, target_mask),
-        )
+        return self.predict(plan, outputs, logits_to_keep, source_mask=token_mask_of(attention_mask), **kwargs)
 
 
 class VanillaTransformerForCausalLM(TokenPredictionHead, VanillaTransformerGenerationMixin):
     """Decoder-only language model (GPT-style): the decoder stack without cross-attention, and a tied LM head."""
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    output_class = CausalLMOutputWithPast
+    moe_output_class = MoeCausalLMOutput
     _auto_map = {"AutoModelForCausalLM": "heads_vanilla_transformer.VanillaTransformerForCausalLM"}
     _runs_one_stack = True
 
@@ -342,12 +381,8 @@ class VanillaTransformerForCausalLM(TokenPredictionHead, VanillaTransformerGener
         already in the gradient of any loss built from `logits` (see `attach_router_loss`).
         """
         check_token_labels(labels, self.config.vocab_size, first_given(input_ids, inputs_embeds), "input_ids")
-        plan = self.plan(
-            self.next_token_targets(labels, kwargs.get("shift_labels")),
-            attention_mask,
-            logits_to_keep,
-            output_router_logits,
-        )
+        targets = self.next_token_targets(labels, kwargs.get("shift_labels"))
+        plan = self.plan(targets, attention_mask, logits_to_keep, output_router_logits)
         outputs = self.model(
             return_dict=True,  # the head reads fields; its own return_dict applies to its output
             input_ids=input_ids,
@@ -357,27 +392,10 @@ class VanillaTransformerForCausalLM(TokenPredictionHead, VanillaTransformerGener
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             token_mask=plan.token_mask,
-            output_router_logits=plan.router.compute or plan.router.return_logits,
+            output_router_logits=plan.router.compute,
             **kwargs,
         )
-        token_mask = plan.routed_positions(attention_mask, outputs.last_hidden_state.shape[1])
-        padding_mask = current_tokens(attention_mask, outputs.last_hidden_state.shape[1])
-        router_losses = plan.router.losses(self.config, decoder=(outputs.router_logits, token_mask, padding_mask))
-        loss, logits = self.predict(plan, outputs.last_hidden_state, logits_to_keep, router_losses, **kwargs)
-        fields = dict(
-            loss=loss,
-            logits=logits,
-            past_key_values=outputs.past_key_values,
-            hidden_states=outputs.hidden_states,
-            attentions=outputs.attentions,
-        )
-        if self.config.num_experts == 0:
-            return CausalLMOutputWithPast(**fields)
-        return MoeCausalLMOutput(
-            **fields,
-            **(router_losses.output_fields("{kind}_loss") if plan.router.report else {}),
-            router_logits=plan.router.returned(outputs.router_logits, token_mask),
-        )
+        return self.predict(plan, outputs, logits_to_keep, **kwargs)
 
 
 __all__ = [

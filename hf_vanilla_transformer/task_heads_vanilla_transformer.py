@@ -18,10 +18,18 @@ from transformers.modeling_outputs import (
     TokenClassifierOutput,
 )
 from transformers.processing_utils import Unpack
-from transformers.utils import TransformersKwargs, can_return_tuple
+from transformers.utils import ModelOutput, TransformersKwargs, can_return_tuple
 
 from .configuration_vanilla_transformer import VanillaTransformerConfig
-from .heads_vanilla_transformer import RouterRequest, TokenPredictionHead, TokenPredictions, first_given
+from .heads_vanilla_transformer import (
+    RouterRequest,
+    TokenPredictionHead,
+    TokenPredictions,
+    carried_over,
+    first_given,
+    with_router_gradient,
+    with_router_value,
+)
 from .inputs_vanilla_transformer import (
     IGNORE_INDEX,
     check_labels,
@@ -33,7 +41,7 @@ from .modeling_vanilla_transformer import (
     VanillaTransformerEncoder,
     VanillaTransformerPreTrainedModel,
 )
-from .moe_vanilla_transformer import MoeEncoderOutput, RouterLosses, attach_router_loss
+from .moe_vanilla_transformer import MoeEncoderOutput, RouterLosses
 from .packing_vanilla_transformer import token_mask_of
 
 MODULE = "task_heads_vanilla_transformer"
@@ -107,10 +115,13 @@ class SingleStackTaskHead(VanillaTransformerPreTrainedModel):
         input_ids: torch.LongTensor | None,
         attention_mask: torch.Tensor | None,
         inputs_embeds: torch.Tensor | None,
-        router: RouterRequest,
+        labels: torch.Tensor | None,
+        output_router_logits: bool | None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[MoeEncoderOutput, RouterLosses | None]:
-        """The stack's outputs, and the router losses of its MoE layers (None when not computed)."""
+        """The stack's outputs, and the router losses of its MoE layers (None when not computed): see
+        `RouterRequest` for when, given the `labels` (None without a loss)."""
+        router = RouterRequest.of(self.config, labels, output_router_logits)
         if self.config.is_decoder:
             # One pass over the whole input, no cache to fill; positions restart at each row's first token.
             kwargs = dict(kwargs, use_cache=False, position_ids=positions_after_left_padding(attention_mask))
@@ -126,17 +137,6 @@ class SingleStackTaskHead(VanillaTransformerPreTrainedModel):
         stack = "decoder" if self.config.is_decoder else "encoder"
         return outputs, router.losses(self.config, **{stack: (outputs.router_logits, padding_mask, padding_mask)})
 
-    @staticmethod
-    def with_router_losses(
-        logits: torch.Tensor, loss: torch.Tensor | None, router_losses: RouterLosses | None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The router losses carried into the gradient of any loss built from `logits`, and added to `loss` as a
-        value (their gradient already flows through the logits)."""
-        if router_losses is None:
-            return logits, loss
-        logits = attach_router_loss(logits, router_losses.total)
-        return logits, None if loss is None else loss + router_losses.total.detach()
-
 
 class VanillaTransformerForMaskedLM(TokenPredictionHead):
     """Encoder-only masked language model (BERT-style pretraining): the bidirectional encoder and a vocabulary
@@ -146,6 +146,8 @@ class VanillaTransformerForMaskedLM(TokenPredictionHead):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     _auto_map = ENCODER_AUTO_MAP
     _runs_one_stack = True
+    output_class = MaskedLMOutput
+    predicting_stack = "encoder"
 
     def __init__(self, config: VanillaTransformerConfig):
         config = config.for_single_stack("encoder")
@@ -192,18 +194,14 @@ class VanillaTransformerForMaskedLM(TokenPredictionHead):
             output_router_logits=plan.router.compute,
             **kwargs,
         )
-        padding_mask = plan.token_mask
-        router_losses = plan.router.losses(self.config, encoder=(outputs.router_logits, padding_mask, padding_mask))
-        loss, logits = self.predict(plan, outputs.last_hidden_state, logits_to_keep, router_losses, **kwargs)
-        return MaskedLMOutput(
-            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
-        )
+        return self.predict(plan, outputs, logits_to_keep, **kwargs)
 
 
-class VanillaTransformerForSequenceClassification(SingleStackTaskHead):
-    """A linear classifier on a pooled vector. On the encoder (BERT-style) the pooled vector is the mean over real
-    tokens or the first token (`config.classifier_pooling`); on the causal decoder of a causal-LM checkpoint
-    (GPT-style) it is the last real token's state, the only one that has read the whole input."""
+class ClassifierHead(SingleStackTaskHead):
+    """A linear classifier on the stack's states, after dropout: `classified_states` says which states (each token's,
+    or one vector per sequence), `classification_loss` which loss; the subclass returns `output_class`."""
+
+    output_class: type[ModelOutput]
 
     def __init__(self, config: VanillaTransformerConfig):
         super().__init__(config)
@@ -212,9 +210,42 @@ class VanillaTransformerForSequenceClassification(SingleStackTaskHead):
         self._set_auto_map()
         self.post_init()
 
-    def pool(
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        output_router_logits: bool | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> SequenceClassifierOutput | TokenClassifierOutput:
+        r"""
+        labels (`torch.LongTensor`, *optional*):
+            Sequence classification: class indices of shape `(batch_size,)` (a float target with `num_labels == 1`:
+            regression; `config.problem_type` decides, as in transformers' own classifiers). Token classification:
+            a class index per token, `(batch_size, length)`, -100 where ignored (padding, continuation word pieces).
+        """
+        outputs, router_losses = self.run_stack(
+            input_ids, attention_mask, inputs_embeds, labels, output_router_logits, **kwargs
+        )
+        states = self.classified_states(outputs.last_hidden_state, attention_mask, input_ids)
+        logits = with_router_gradient(self.classifier(self.dropout(states)), router_losses)
+        loss = None if labels is None else self.classification_loss(logits, labels, **kwargs)
+        return carried_over(self.output_class, outputs, loss=with_router_value(loss, router_losses), logits=logits)
+
+
+class VanillaTransformerForSequenceClassification(ClassifierHead):
+    """A linear classifier on a pooled vector. On the encoder (BERT-style) the pooled vector is the mean over real
+    tokens or the first token (`config.classifier_pooling`); on the causal decoder of a causal-LM checkpoint
+    (GPT-style) it is the last real token's state, the only one that has read the whole input."""
+
+    output_class = SequenceClassifierOutput
+
+    def classified_states(
         self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None, input_ids: torch.Tensor | None
     ) -> torch.Tensor:
+        """The pooled vector of each sequence, (batch, d_model)."""
         token_mask = token_mask_of(attention_mask)
         if self.config.is_decoder:
             if token_mask is None and input_ids is not None and self.config.pad_token_id is not None:
@@ -229,73 +260,27 @@ class VanillaTransformerForSequenceClassification(SingleStackTaskHead):
         weights = token_mask.to(hidden_states.dtype).unsqueeze(-1)
         return (hidden_states * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1.0)
 
-    @can_return_tuple
-    def forward(
-        self,
-        input_ids: torch.LongTensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-        labels: torch.LongTensor | None = None,
-        output_router_logits: bool | None = None,
-        **kwargs: Unpack[TransformersKwargs],
-    ) -> SequenceClassifierOutput:
-        r"""
-        labels (`torch.LongTensor` of shape `(batch_size,)`, *optional*):
-            Class indices (a float target with `num_labels == 1`: regression; `config.problem_type` decides, as in
-            transformers' own classifiers).
-        """
-        router = RouterRequest.of(self.config, labels, output_router_logits)
-        outputs, router_losses = self.run_stack(input_ids, attention_mask, inputs_embeds, router, **kwargs)
-        batch_size = outputs.last_hidden_state.shape[0]
-        check_sequence_classification_labels(labels, batch_size, self.config.num_labels, self.config.problem_type)
-        pooled = self.pool(outputs.last_hidden_state, attention_mask, input_ids)
-        logits = self.classifier(self.dropout(pooled))
-        loss = None
-        if labels is not None:
-            kwargs = with_item_count(kwargs, labels)
-            loss = self.loss_function(labels=labels, pooled_logits=logits, config=self.config, **kwargs)
-        logits, loss = self.with_router_losses(logits, loss, router_losses)
-        return SequenceClassifierOutput(
-            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
-        )
+    def classification_loss(self, logits: torch.Tensor, labels: torch.Tensor, **kwargs) -> torch.Tensor:
+        check_sequence_classification_labels(labels, logits.shape[0], self.config.num_labels, self.config.problem_type)
+        kwargs = with_item_count(kwargs, labels)
+        return self.loss_function(labels=labels, pooled_logits=logits, config=self.config, **kwargs)
 
 
-class VanillaTransformerForTokenClassification(SingleStackTaskHead):
+class VanillaTransformerForTokenClassification(ClassifierHead):
     """A linear classifier on every token's state (named-entity tagging, BERT §4.3); on the causal decoder a token's
     label is predicted from it and the tokens before it only."""
 
-    def __init__(self, config: VanillaTransformerConfig):
-        super().__init__(config)
-        self.dropout = nn.Dropout(self.config.classifier_dropout)
-        self.classifier = nn.Linear(self.config.d_model, self.config.num_labels)
-        self._set_auto_map()
-        self.post_init()
+    output_class = TokenClassifierOutput
 
-    @can_return_tuple
-    def forward(
-        self,
-        input_ids: torch.LongTensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-        labels: torch.LongTensor | None = None,
-        output_router_logits: bool | None = None,
-        **kwargs: Unpack[TransformersKwargs],
-    ) -> TokenClassifierOutput:
-        r"""
-        labels (`torch.LongTensor` of shape `(batch_size, length)`, *optional*):
-            A class index per token, -100 where ignored (padding, continuation word pieces).
-        """
-        router = RouterRequest.of(self.config, labels, output_router_logits)
-        outputs, router_losses = self.run_stack(input_ids, attention_mask, inputs_embeds, router, **kwargs)
-        check_labels(labels, outputs.last_hidden_state.shape[:2], self.config.num_labels)
-        logits = self.classifier(self.dropout(outputs.last_hidden_state))
-        loss = None
-        if labels is not None:
-            loss = self.loss_function(logits, labels, self.config, **with_item_count(kwargs, labels))
-        logits, loss = self.with_router_losses(logits, loss, router_losses)
-        return TokenClassifierOutput(
-            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
-        )
+    def classified_states(
+        self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None, input_ids: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Every token's state, (batch, length, d_model)."""
+        return hidden_states
+
+    def classification_loss(self, logits: torch.Tensor, labels: torch.Tensor, **kwargs) -> torch.Tensor:
+        check_labels(labels, logits.shape[:2], self.config.num_labels)
+        return self.loss_function(logits, labels, self.config, **with_item_count(kwargs, labels))
 
 
 class VanillaTransformerForQuestionAnswering(SingleStackTaskHead):
@@ -325,21 +310,20 @@ class VanillaTransformerForQuestionAnswering(SingleStackTaskHead):
             transformers' QA heads.
         """
         labels = None if start_positions is None or end_positions is None else start_positions
-        router = RouterRequest.of(self.config, labels, output_router_logits)
-        outputs, router_losses = self.run_stack(input_ids, attention_mask, inputs_embeds, router, **kwargs)
-        logits = self.qa_outputs(outputs.last_hidden_state)
+        outputs, router_losses = self.run_stack(
+            input_ids, attention_mask, inputs_embeds, labels, output_router_logits, **kwargs
+        )
+        logits = with_router_gradient(self.qa_outputs(outputs.last_hidden_state), router_losses)
+        start_logits, end_logits = (scores.contiguous() for scores in logits.unbind(dim=-1))
         loss = None
         if labels is not None:
-            start_logits, end_logits = logits.unbind(dim=-1)
             loss = self.loss_function(start_logits, end_logits, start_positions, end_positions, **kwargs)
-        logits, loss = self.with_router_losses(logits, loss, router_losses)
-        start_logits, end_logits = logits.unbind(dim=-1)
-        return QuestionAnsweringModelOutput(
-            loss=loss,
-            start_logits=start_logits.contiguous(),
-            end_logits=end_logits.contiguous(),
-            hidden_states=outputs.hidden_states,
-            attentions=outputs.attentions,
+        return carried_over(
+            QuestionAnsweringModelOutput,
+            outputs,
+            loss=with_router_value(loss, router_losses),
+            start_logits=start_logits,
+            end_logits=end_logits,
         )
 
 

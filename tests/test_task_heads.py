@@ -233,6 +233,38 @@ def test_experts_add_their_router_losses_to_every_task_loss(head_class, is_decod
     assert routers and all(weight.grad is not None and weight.grad.abs().sum() > 0 for weight in routers)
 
 
+def router_gradients(model, input_ids: torch.Tensor, targets: dict, coefficient: float) -> torch.Tensor:
+    """The gradient of the head's loss on its router weights, with both router-loss coefficients set to
+    `coefficient`."""
+    model.zero_grad()
+    model.config.router_aux_loss_coef = model.config.router_z_loss_coef = coefficient
+    model(input_ids, **targets).loss.backward()
+    routers = [module.weight for module in model.modules() if type(module).__name__ == "VanillaTransformerRouter"]
+    return torch.cat([weight.grad.flatten() for weight in routers])
+
+
+@pytest.mark.parametrize(
+    "head_class, is_decoder",
+    [(head, False) for head in ENCODER_HEADS] + [(head, True) for head in CAUSAL_HEADS],
+    ids=lambda value: value.__name__[len("VanillaTransformerFor") :] if isinstance(value, type) else str(value),
+)
+def test_router_losses_reach_the_gradient_of_every_task_loss(head_class, is_decoder):
+    """The loss's gradient is that of the task loss plus coefficient * that of the router losses: the router term's
+    share of the router weights' gradient is not 0 and grows linearly with its coefficient."""
+    torch.manual_seed(0)
+    config = vocab_config(num_experts=4, num_labels=3, is_encoder_decoder=False, is_decoder=is_decoder)
+    model = head_class(config).eval()  # no dropout: every forward computes the same task loss
+    input_ids = random_rows(2, 6, seed=8)
+    targets = {"start_positions": torch.tensor([1, 2]), "end_positions": torch.tensor([3, 4])}
+    if head_class is not VanillaTransformerForQuestionAnswering:
+        labels = torch.tensor([0, 2]) if head_class is VanillaTransformerForSequenceClassification else input_ids % 3
+        targets = {"labels": input_ids if head_class is VanillaTransformerForMaskedLM else labels}
+    task_only = router_gradients(model, input_ids, targets, 0.0)
+    router_share = router_gradients(model, input_ids, targets, 0.1) - task_only
+    assert router_share.abs().max() > 1e-6
+    torch.testing.assert_close(router_gradients(model, input_ids, targets, 0.2) - task_only, 2 * router_share)
+
+
 # ---- save/load, remote code, LoRA ---------------------------------------------------------------------------------
 
 

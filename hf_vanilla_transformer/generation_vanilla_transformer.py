@@ -69,11 +69,8 @@ class VanillaTransformerGenerationMixin(GenerationMixin):
         return inputs, input_name, model_kwargs
 
     def _beam_search(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False, **kw):
-        if _length_penalty_type(generation_config) != "gnmt":
-            return super()._beam_search(
-                input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus, **kw
-            )
-        self._gnmt_alpha = generation_config.length_penalty
+        gnmt = _length_penalty_type(generation_config) == "gnmt"
+        self._gnmt_alpha = generation_config.length_penalty if gnmt else None
         try:
             return super()._beam_search(
                 input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus, **kw
@@ -81,36 +78,28 @@ class VanillaTransformerGenerationMixin(GenerationMixin):
         finally:
             self._gnmt_alpha = None
 
-    def _update_finished_beams(self, *, topk_log_probs, cur_len, decoder_prompt_len, length_penalty, **kw):
+    def _update_finished_beams(self, *, topk_log_probs, cur_len, decoder_prompt_len, **kw):
         if self._gnmt_alpha is not None:
             # The candidates finishing now have cur_len + 1 - decoder_prompt_len tokens, EOS included.
             topk_log_probs = topk_log_probs / gnmt_length_penalty(cur_len + 1 - decoder_prompt_len, self._gnmt_alpha)
-            length_penalty = 0.0
+            kw["length_penalty"] = 0.0
         return super()._update_finished_beams(
-            topk_log_probs=topk_log_probs,
-            cur_len=cur_len,
-            decoder_prompt_len=decoder_prompt_len,
-            length_penalty=length_penalty,
-            **kw,
+            topk_log_probs=topk_log_probs, cur_len=cur_len, decoder_prompt_len=decoder_prompt_len, **kw
         )
 
-    def _check_early_stop_heuristic(
-        self, *, running_beam_scores, cur_len, max_length, decoder_prompt_len, early_stopping, length_penalty, **kw
-    ):
+    def _check_early_stop_heuristic(self, *, running_beam_scores, cur_len, max_length, decoder_prompt_len, **kw):
         if self._gnmt_alpha is not None:
             # Same bound as transformers' heuristic: with early_stopping="never" and alpha > 0 the best a running beam
             # can reach is its score at the longest allowed length (log-probs only fall, lp only grows).
-            never_and_positive = early_stopping == "never" and self._gnmt_alpha > 0.0
+            never_and_positive = kw["early_stopping"] == "never" and self._gnmt_alpha > 0.0
             length = (max_length if never_and_positive else cur_len) - decoder_prompt_len
             running_beam_scores = running_beam_scores / gnmt_length_penalty(length, self._gnmt_alpha)
-            length_penalty = 0.0
+            kw["length_penalty"] = 0.0
         return super()._check_early_stop_heuristic(
             running_beam_scores=running_beam_scores,
             cur_len=cur_len,
             max_length=max_length,
             decoder_prompt_len=decoder_prompt_len,
-            early_stopping=early_stopping,
-            length_penalty=length_penalty,
             **kw,
         )
 

@@ -4,7 +4,6 @@ The two language-model heads share one pipeline (`TokenPredictionHead`): plan wh
 vocabulary projection must compute, run the stack, project, add the MoE router losses, take the loss.
 """
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -118,8 +117,8 @@ def with_router_value(loss: torch.Tensor | None, router_losses: RouterLosses | N
 def carried_over(output_class: type[ModelOutput], model_outputs: ModelOutput, **fields) -> ModelOutput:
     """A head's output: `fields`, and every field its class shares with the model's output (cache, hidden states,
     attentions, encoder outputs), passed on as the model returned it."""
-    shared = {field.name for field in dataclasses.fields(output_class)} & model_outputs.__dataclass_fields__.keys()
-    return output_class(**{**{name: getattr(model_outputs, name) for name in shared}, **fields})
+    shared = {name: value for name, value in model_outputs.items() if name in output_class.__dataclass_fields__}
+    return output_class(**{**shared, **fields})
 
 
 @dataclass

@@ -205,11 +205,16 @@ class VanillaTransformerStack(VanillaTransformerPreTrainedModel):
         which cannot trace the data-dependent token count."""
         return None if is_torchdynamo_compiling() else PackedTokens.of(token_mask)
 
-    def packs_layers(self, packed_tokens: PackedTokens | None, kwargs: dict) -> bool:
-        """Whether the layers run on the packed tokens (`config.padding_free`); not when every layer's hidden states
-        are returned, since those keep the (batch, length) shape. MoE layers pack for their experts either way."""
+    def layers_input(
+        self, hidden_states: torch.Tensor, packed_tokens: PackedTokens | None, kwargs: dict
+    ) -> torch.Tensor:
+        """`hidden_states` as the layers read them: packed, (tokens, d_model), with `config.padding_free` where there
+        is padding to skip; not when every layer's hidden states are returned, since those keep the (batch, length)
+        shape. MoE layers pack for their experts either way."""
         output_hidden_states = kwargs.get("output_hidden_states", self.config.output_hidden_states)
-        return packed_tokens is not None and self.config.padding_free and not output_hidden_states
+        if packed_tokens is None or not self.config.padding_free or output_hidden_states:
+            return hidden_states
+        return packed_tokens.pack(hidden_states)
 
     def padded_output(
         self, hidden_states: torch.Tensor, packed_tokens: PackedTokens | None, token_mask: torch.Tensor | None
@@ -258,8 +263,7 @@ class VanillaTransformerEncoder(VanillaTransformerStack):
         batch_size, length = inputs_embeds.shape[:2]
         token_mask = checked_token_mask(attention_mask, batch_size, length, length, "attention_mask")
         packed_tokens = packed_tokens or self.token_layout(token_mask)
-        if self.packs_layers(packed_tokens, kwargs):
-            hidden_states = packed_tokens.pack(hidden_states)
+        hidden_states = self.layers_input(hidden_states, packed_tokens, kwargs)
         attention_mask = create_bidirectional_mask(
             config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask
         )
@@ -325,8 +329,7 @@ class VanillaTransformerDecoder(VanillaTransformerStack):
         if token_mask is None and padding_mask is not None:  # the mask also covers the cache: this step's columns
             token_mask = padding_mask[:, past_length:]
         packed_tokens = self.token_layout(token_mask)
-        if self.packs_layers(packed_tokens, kwargs):
-            hidden_states = packed_tokens.pack(hidden_states)
+        hidden_states = self.layers_input(hidden_states, packed_tokens, kwargs)
         self_attention_cache = (
             past_key_values.self_attention_cache
             if isinstance(past_key_values, EncoderDecoderCache)
@@ -359,8 +362,8 @@ class VanillaTransformerDecoder(VanillaTransformerStack):
                 attention_mask=encoder_attention_mask,
                 encoder_hidden_states=encoder_hidden_states,
             )
-            if self.packs_layers(encoder_packed_tokens, kwargs) and not cross_cached:
-                encoder_hidden_states = encoder_packed_tokens.pack(encoder_hidden_states)
+            if not cross_cached:
+                encoder_hidden_states = self.layers_input(encoder_hidden_states, encoder_packed_tokens, kwargs)
         for layer in self.layers:
             hidden_states = layer(
                 hidden_states,

@@ -198,12 +198,24 @@ class TokenPredictionHead(VanillaTransformerPreTrainedModel):
         loss, logits = self.loss_and_logits(plan, outputs.last_hidden_state, logits_to_keep, router_losses, **kwargs)
         if self.config.num_experts == 0 or self.moe_output_class is None:
             return carried_over(self.output_class, outputs, loss=loss, logits=logits)
-        returned_logits = {
+        router_fields = self.router_fields(plan, routed, router_logits, router_losses)
+        return carried_over(self.moe_output_class, outputs, loss=loss, logits=logits, **router_fields)
+
+    def router_fields(
+        self,
+        plan: TokenPredictions,
+        routed: dict[str, tuple[torch.Tensor | None, torch.Tensor | None]],
+        router_logits: dict[str, tuple[torch.Tensor, ...] | None],
+        router_losses: RouterLosses | None,
+    ) -> dict[str, torch.Tensor | tuple[torch.Tensor, ...] | None]:
+        """The MoE output fields: each stack's router logits (None unless asked for) and, when reported, losses."""
+        fields = {
             self.field_name(stack, "router_logits"): plan.router.returned(router_logits[stack], routed[stack][0])
             for stack in routed
         }
-        losses = router_losses.output_fields(self.field_name("{stack}", "{kind}_loss")) if plan.router.report else {}
-        return carried_over(self.moe_output_class, outputs, loss=loss, logits=logits, **losses, **returned_logits)
+        if plan.router.report:
+            fields.update(router_losses.output_fields(self.field_name("{stack}", "{kind}_loss")))
+        return fields
 
     def field_name(self, stack: str, field: str) -> str:
         """Where an output field of one stack goes: prefixed by the stack in an encoder-decoder (`decoder_aux_loss`,

@@ -103,6 +103,7 @@ class SingleStackTaskHead(VanillaTransformerPreTrainedModel):
         stack_class = VanillaTransformerDecoder if config.is_decoder else VanillaTransformerEncoder
         self.model = stack_class(config)
         self._auto_map = DECODER_AUTO_MAP if config.is_decoder else ENCODER_AUTO_MAP
+        self._set_auto_map()
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.model.embed_tokens
@@ -207,7 +208,6 @@ class ClassifierHead(SingleStackTaskHead):
         super().__init__(config)
         self.dropout = nn.Dropout(self.config.classifier_dropout)
         self.classifier = nn.Linear(self.config.d_model, self.config.num_labels)
-        self._set_auto_map()
         self.post_init()
 
     @can_return_tuple
@@ -290,7 +290,6 @@ class VanillaTransformerForQuestionAnswering(SingleStackTaskHead):
     def __init__(self, config: VanillaTransformerConfig):
         super().__init__(config)
         self.qa_outputs = nn.Linear(self.config.d_model, 2)
-        self._set_auto_map()
         self.post_init()
 
     @can_return_tuple

@@ -1,7 +1,8 @@
 """Language-model heads: the translation model (encoder-decoder LM) and a decoder-only LM.
 
-The two language-model heads share one pipeline (`TokenPredictionHead`): plan which positions the stack and the
-vocabulary projection must compute, run the stack, project, add the MoE router losses, take the loss.
+The language-model heads (these two and the masked LM) share one pipeline (`TokenPredictionHead`): plan which
+positions the stack and the vocabulary projection must compute, run the stack, then `predict`: project, add the MoE
+router losses, take the loss, and return the head's output class with the model's other outputs.
 """
 
 from dataclasses import dataclass

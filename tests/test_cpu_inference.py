@@ -10,7 +10,7 @@ import torch
 from conftest import padded_batch, tiny_config
 
 from hf_vanilla_transformer import VanillaTransformerForConditionalGeneration
-from hf_vanilla_transformer.cpu_inference_vanilla_transformer import optimize_for_cpu_inference
+from hf_vanilla_transformer.cpu_inference_vanilla_transformer import Float32Linear, optimize_for_cpu_inference
 
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2", "gate_proj", "up_proj", "down_proj", "lm_head")
 
@@ -60,6 +60,19 @@ def test_float32_changes_layout_not_values_and_keeps_embeddings_row_major():
     assert optimized.model.shared.weight.is_contiguous()
     assert optimized.lm_head.weight.data_ptr() != optimized.model.shared.weight.data_ptr()
     assert not optimized.training and not any(p.requires_grad for p in optimized.parameters())
+
+
+@pytest.mark.parametrize("rows", [1, Float32Linear.MANY_ROWS - 1, Float32Linear.MANY_ROWS, 40])
+def test_float32_linear_either_memory_order_gives_the_product(rows):
+    """Below `MANY_ROWS` rows the product reads the (in, out) copy, from it on oneDNN's packed copy: both equal
+    `F.linear` with the original weight up to float32 rounding, for 2-D and 3-D inputs."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(48, 80)
+    optimized = Float32Linear(linear)
+    for shape in ((rows, 48), (1, rows, 48)):
+        input = torch.randn(shape)
+        expected = torch.nn.functional.linear(input, linear.weight, linear.bias)
+        torch.testing.assert_close(optimized(input), expected, rtol=0, atol=1e-5)
 
 
 def test_int8_weights_are_per_channel_absmax_roundings():
@@ -113,3 +126,26 @@ def test_bad_arguments_are_named():
         optimize_for_cpu_inference("not a model")
     with pytest.raises(ValueError, match="float32 weights on the CPU"):
         optimize_for_cpu_inference(model.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("precision", ["none", "float32"])
+def test_compiled_decoding_step_has_no_graph_breaks(precision):
+    """`generate()` with a static cache compiles its decoding step (on the CPU only when asked with
+    `_compile_all_devices`): one graph per step shape, the same tokens as eager decoding."""
+    from torch._dynamo.utils import counters
+    from transformers import CompileConfig
+
+    model, optimized = model_and_optimized("float32")
+    model = optimized if precision == "float32" else model
+    input_ids, attention_mask = padded_batch()
+    compile_config = CompileConfig(fullgraph=False)
+    compile_config._compile_all_devices = True
+    options = {"max_new_tokens": 6, "do_sample": False, "cache_implementation": "static"}
+    torch._dynamo.reset()
+    counters.clear()
+    with torch.no_grad():
+        compiled = model.generate(input_ids, attention_mask=attention_mask, compile_config=compile_config, **options)
+        eager = model.generate(input_ids, attention_mask=attention_mask, disable_compile=True, **options)
+    assert torch.equal(compiled, eager)
+    assert counters["stats"]["unique_graphs"] >= 1
+    assert not counters["graph_break"], dict(counters["graph_break"])

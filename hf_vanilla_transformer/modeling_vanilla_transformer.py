@@ -336,8 +336,9 @@ class VanillaTransformerDecoder(VanillaTransformerStack):
             else past_key_values
         )
         # position_ids let transformers find packed sequences (restarting at 0) and keep each one to itself, which it
-        # does only without a cache; a dynamic cache this forward starts empty changes nothing else in the mask.
-        starts_dynamic_cache = past_length == 0 and type(self_attention_cache) is DynamicCache
+        # does only without a cache; a dynamic cache this forward starts empty changes nothing else in the mask. (The
+        # type is tested first: a compiled step reads a static cache's length as a tensor.)
+        starts_dynamic_cache = type(self_attention_cache) is DynamicCache and past_length == 0
         attention_mask = create_causal_mask(
             config=self.config,
             inputs_embeds=inputs_embeds,

@@ -10,7 +10,7 @@ import torch
 from conftest import padded_batch, tiny_config
 
 from hf_vanilla_transformer import VanillaTransformerForConditionalGeneration
-from hf_vanilla_transformer.cpu_inference_vanilla_transformer import optimize_for_cpu_inference
+from hf_vanilla_transformer.cpu_inference_vanilla_transformer import PrepackedLinear, optimize_for_cpu_inference
 
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2", "gate_proj", "up_proj", "down_proj", "lm_head")
 
@@ -62,6 +62,25 @@ def test_float32_changes_layout_not_values_and_keeps_embeddings_row_major():
     assert not optimized.training and not any(p.requires_grad for p in optimized.parameters())
 
 
+@pytest.mark.parametrize("dtype, many_rows, tolerance", [(torch.float32, 8, 1e-5), (torch.bfloat16, 1, 1e-2)])
+@pytest.mark.parametrize("rows", [1, 7, 8, 40])
+def test_prepacked_linear_either_memory_order_gives_the_product(dtype, many_rows, tolerance, rows):
+    """Below `many_rows` rows the product reads the (in, out) copy, from it on oneDNN's packed copy (and the copy
+    torch.compile reads is the (in, out) one): each equals `F.linear` with the weight in `dtype`, for 2-D and 3-D
+    float32 inputs, and returns float32."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(48, 80)
+    optimized = PrepackedLinear(linear, dtype, many_rows)
+    torch._dynamo.reset()  # each case compiles the same forward for new shapes: keep under the recompile limit
+    compiled = torch.compile(optimized, fullgraph=True)
+    for shape in ((rows, 48), (1, rows, 48)):
+        input = torch.randn(shape)
+        expected = torch.nn.functional.linear(input.to(dtype), linear.weight.to(dtype), linear.bias.to(dtype))
+        for output in (optimized(input), compiled(input)):
+            assert output.dtype == torch.float32
+            torch.testing.assert_close(output, expected.float(), rtol=0, atol=tolerance)
+
+
 def test_int8_weights_are_per_channel_absmax_roundings():
     model, optimized = model_and_optimized("int8")
     linear, quantized = model.model.decoder.layers[0].mlp.fc1, optimized.model.decoder.layers[0].mlp.fc1
@@ -84,18 +103,6 @@ def test_lower_precision_linear_is_close_to_float32(precision, tolerance):
     assert not any(type(module) is torch.nn.Linear for module in optimized.modules())
 
 
-def test_bfloat16_linear_equals_bfloat16_product():
-    model, optimized = model_and_optimized("bfloat16")
-    linear = model.model.decoder.layers[0].self_attn.q_proj
-    rows = torch.randn(2, 3, 32, generator=torch.Generator().manual_seed(3))
-    expected = torch.nn.functional.linear(
-        rows.bfloat16(), linear.weight.detach().bfloat16(), linear.bias.detach().bfloat16()
-    )
-    actual = optimized.model.decoder.layers[0].self_attn.q_proj(rows)
-    assert actual.dtype == torch.float32 and actual.shape == (2, 3, 32)
-    torch.testing.assert_close(actual, expected.float(), rtol=1e-2, atol=1e-2)
-
-
 @pytest.mark.parametrize("precision", ["int8", "bfloat16"])
 def test_lower_precision_generates(precision):
     _, optimized = model_and_optimized(precision)
@@ -113,3 +120,27 @@ def test_bad_arguments_are_named():
         optimize_for_cpu_inference("not a model")
     with pytest.raises(ValueError, match="float32 weights on the CPU"):
         optimize_for_cpu_inference(model.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("precision", ["none", "float32", "bfloat16", "int8"])
+def test_compiled_decoding_step_has_no_graph_breaks(precision):
+    """`generate()` with a static cache compiles its decoding step (on the CPU only when asked with
+    `_compile_all_devices`): one graph per step shape, the same tokens as eager decoding."""
+    from torch._dynamo.utils import counters
+    from transformers import CompileConfig
+
+    model, optimized = model_and_optimized("float32" if precision == "none" else precision)
+    model = model if precision == "none" else optimized
+    input_ids, attention_mask = padded_batch()
+    compile_config = CompileConfig(fullgraph=False)
+    compile_config._compile_all_devices = True
+    options = {"max_new_tokens": 6, "do_sample": False, "cache_implementation": "static"}
+    torch._dynamo.reset()
+    counters.clear()
+    with torch.no_grad():
+        compiled = model.generate(input_ids, attention_mask=attention_mask, compile_config=compile_config, **options)
+        eager = model.generate(input_ids, attention_mask=attention_mask, disable_compile=True, **options)
+    assert torch.equal(compiled, eager)
+    assert counters["stats"]["unique_graphs"] >= 1
+    if precision != "int8":  # torch's int8 Linear holds its weights in a TorchScript object, which breaks the graph
+        assert not counters["graph_break"], dict(counters["graph_break"])

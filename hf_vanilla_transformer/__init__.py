@@ -20,14 +20,12 @@ from transformers import (
 )
 
 from .configuration_vanilla_transformer import VanillaTransformerConfig
-from .heads_vanilla_transformer import (
-    VanillaTransformerForCausalLM,
-    VanillaTransformerForConditionalGeneration,
-)
+from .heads_vanilla_transformer import VanillaTransformerForConditionalGeneration
 from .hub_vanilla_transformer import push_repository
 from .model_card_vanilla_transformer import build_model_card, write_model_card
 from .modeling_vanilla_transformer import VanillaTransformerModel, VanillaTransformerPreTrainedModel
 from .task_heads_vanilla_transformer import (
+    VanillaTransformerForCausalLM,
     VanillaTransformerForMaskedLM,
     VanillaTransformerForQuestionAnswering,
     VanillaTransformerForSequenceClassification,

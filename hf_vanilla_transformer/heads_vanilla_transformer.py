@@ -1,6 +1,7 @@
-"""Language-model heads: the translation model (encoder-decoder LM) and a decoder-only LM.
+"""The translation model (encoder-decoder LM), and the pipeline every language-model head shares.
 
-The language-model heads (these two and the masked LM) share one pipeline (`TokenPredictionHead`): plan which
+The language-model heads (this one, and the causal and masked LMs of `task_heads_vanilla_transformer.py`) share one
+pipeline (`TokenPredictionHead`): plan which
 positions the stack and the vocabulary projection must compute, run the stack, then `predict`: project, add the MoE
 router losses, take the loss, and return the head's output class with the model's other outputs.
 """
@@ -12,7 +13,6 @@ from torch import nn
 from transformers.cache_utils import Cache
 from transformers.modeling_outputs import (
     BaseModelOutput,
-    CausalLMOutputWithPast,
     Seq2SeqLMOutput,
     Seq2SeqMoEOutput,
 )
@@ -30,12 +30,10 @@ from .inputs_vanilla_transformer import (
 )
 from .modeling_vanilla_transformer import (
     Stack,
-    VanillaTransformerDecoder,
     VanillaTransformerModel,
     VanillaTransformerPreTrainedModel,
 )
 from .moe_vanilla_transformer import (
-    MoeCausalLMOutput,
     RouterLosses,
     attach_router_loss,
     counted_router_rows,
@@ -343,74 +341,4 @@ class VanillaTransformerForConditionalGeneration(TokenPredictionHead, VanillaTra
         return self.predict(plan, outputs, logits_to_keep, source_mask=token_mask_of(attention_mask), **kwargs)
 
 
-class VanillaTransformerForCausalLM(TokenPredictionHead, VanillaTransformerGenerationMixin):
-    """Decoder-only language model (GPT-style): the decoder stack without cross-attention, and a tied LM head."""
-
-    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
-    output_class = CausalLMOutputWithPast
-    moe_output_class = MoeCausalLMOutput
-    _auto_map = {"AutoModelForCausalLM": "heads_vanilla_transformer.VanillaTransformerForCausalLM"}
-    _runs_one_stack = True
-
-    def __init__(self, config: VanillaTransformerConfig):
-        config = config.for_single_stack("decoder")
-        super().__init__(config)
-        self.model = VanillaTransformerDecoder(config)
-        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=config.lm_head_bias)
-        # The head shifts the labels itself (`next_token_targets`), so the loss must not shift them again.
-        self.loss_type = "ForMaskedLM"
-        self._set_auto_map()
-        self.post_init()
-
-    @staticmethod
-    def next_token_targets(labels: torch.Tensor | None, shift_labels: torch.Tensor | None) -> torch.Tensor | None:
-        """The label each position predicts: position t predicts token t + 1 (or the caller's `shift_labels`)."""
-        if labels is None or shift_labels is not None:
-            return shift_labels
-        return nn.functional.pad(labels[:, 1:], (0, 1), value=-100)
-
-    @can_return_tuple
-    def forward(
-        self,
-        input_ids: torch.LongTensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-        labels: torch.LongTensor | None = None,
-        use_cache: bool | None = None,
-        logits_to_keep: int | torch.Tensor = 0,
-        output_router_logits: bool | None = None,
-        **kwargs: Unpack[TransformersKwargs],
-    ) -> CausalLMOutputWithPast | MoeCausalLMOutput:
-        r"""
-        labels (`torch.LongTensor` of shape `(batch_size, length)`, *optional*):
-            Usually `input_ids`; they are shifted inside the head, -100 where ignored. Labels already aligned with
-            the outputs may come as `shift_labels` instead (transformers' keyword; not a named argument, so that the
-            Trainer does not take it for a label column it requires).
-
-        With experts the output is a `MoeCausalLMOutput` (Mixtral's, plus `z_loss`); the weighted router losses are
-        already in the gradient of any loss built from `logits` (see `attach_router_loss`).
-        """
-        check_token_labels(labels, self.config.vocab_size, first_given(input_ids, inputs_embeds), "input_ids")
-        targets = self.next_token_targets(labels, kwargs.get("shift_labels"))
-        plan = self.plan(targets, attention_mask, logits_to_keep, output_router_logits)
-        outputs = self.model(
-            return_dict=True,  # the head reads fields; its own return_dict applies to its output
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=past_key_values,
-            inputs_embeds=inputs_embeds,
-            use_cache=use_cache,
-            token_mask=plan.token_mask,
-            output_router_logits=plan.router.compute,
-            **kwargs,
-        )
-        return self.predict(plan, outputs, logits_to_keep, **kwargs)
-
-
-__all__ = [
-    "VanillaTransformerForConditionalGeneration",
-    "VanillaTransformerForCausalLM",
-]
+__all__ = ["VanillaTransformerForConditionalGeneration"]

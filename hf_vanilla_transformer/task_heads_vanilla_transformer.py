@@ -1,5 +1,5 @@
-"""Task heads on one stack, as BERT and GPT use the Transformer: a masked LM to pretrain an encoder, and sequence
-classification, token classification and extractive question answering to fine-tune one.
+"""Heads on one stack, as GPT and BERT use the Transformer: a causal LM to pretrain a decoder, a masked LM to pretrain
+an encoder, and sequence classification, token classification and extractive question answering to fine-tune either.
 
 Every head but the masked LM runs the stack its config names (`config.is_decoder`): the bidirectional encoder
 (BERT-style), or the causal decoder of a `VanillaTransformerForCausalLM` checkpoint (GPT-style), whose config says
@@ -11,7 +11,9 @@ import dataclasses
 
 import torch
 from torch import nn
+from transformers.cache_utils import Cache
 from transformers.modeling_outputs import (
+    CausalLMOutputWithPast,
     MaskedLMOutput,
     QuestionAnsweringModelOutput,
     SequenceClassifierOutput,
@@ -21,6 +23,7 @@ from transformers.processing_utils import Unpack
 from transformers.utils import ModelOutput, TransformersKwargs, can_return_tuple
 
 from .configuration_vanilla_transformer import VanillaTransformerConfig
+from .generation_vanilla_transformer import VanillaTransformerGenerationMixin
 from .heads_vanilla_transformer import (
     RouterRequest,
     TokenPredictionHead,
@@ -41,7 +44,7 @@ from .modeling_vanilla_transformer import (
     VanillaTransformerEncoder,
     VanillaTransformerPreTrainedModel,
 )
-from .moe_vanilla_transformer import MoeEncoderOutput, RouterLosses
+from .moe_vanilla_transformer import MoeCausalLMOutput, MoeEncoderOutput, RouterLosses
 from .packing_vanilla_transformer import token_mask_of
 
 MODULE = "task_heads_vanilla_transformer"
@@ -52,9 +55,9 @@ ENCODER_AUTO_MAP = {
     "AutoModelForTokenClassification": f"{MODULE}.VanillaTransformerForTokenClassification",
     "AutoModelForQuestionAnswering": f"{MODULE}.VanillaTransformerForQuestionAnswering",
 }
-# A classifier on the causal decoder: its checkpoint's stack is a causal LM's, so the causal LM can load it back.
+# A causal LM's checkpoint and a classifier's on the causal decoder hold the same stack: each head loads the other's.
 DECODER_AUTO_MAP = {
-    "AutoModelForCausalLM": "heads_vanilla_transformer.VanillaTransformerForCausalLM",
+    "AutoModelForCausalLM": f"{MODULE}.VanillaTransformerForCausalLM",
     "AutoModelForSequenceClassification": ENCODER_AUTO_MAP["AutoModelForSequenceClassification"],
     "AutoModelForTokenClassification": ENCODER_AUTO_MAP["AutoModelForTokenClassification"],
 }
@@ -137,6 +140,73 @@ class SingleStackTaskHead(VanillaTransformerPreTrainedModel):
         padding_mask = token_mask_of(attention_mask)
         stack = "decoder" if self.config.is_decoder else "encoder"
         return outputs, router.losses(self.config, **{stack: (outputs.router_logits, padding_mask, padding_mask)})
+
+
+class VanillaTransformerForCausalLM(TokenPredictionHead, VanillaTransformerGenerationMixin):
+    """Decoder-only language model (GPT-style): the decoder stack without cross-attention, and a tied LM head."""
+
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    output_class = CausalLMOutputWithPast
+    moe_output_class = MoeCausalLMOutput
+    _auto_map = DECODER_AUTO_MAP
+    _runs_one_stack = True
+
+    def __init__(self, config: VanillaTransformerConfig):
+        config = config.for_single_stack("decoder")
+        super().__init__(config)
+        self.model = VanillaTransformerDecoder(config)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=config.lm_head_bias)
+        # The head shifts the labels itself (`next_token_targets`), so the loss must not shift them again.
+        self.loss_type = "ForMaskedLM"
+        self._set_auto_map()
+        self.post_init()
+
+    @staticmethod
+    def next_token_targets(labels: torch.Tensor | None, shift_labels: torch.Tensor | None) -> torch.Tensor | None:
+        """The label each position predicts: position t predicts token t + 1 (or the caller's `shift_labels`)."""
+        if labels is None or shift_labels is not None:
+            return shift_labels
+        return nn.functional.pad(labels[:, 1:], (0, 1), value=-100)
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        output_router_logits: bool | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> CausalLMOutputWithPast | MoeCausalLMOutput:
+        r"""
+        labels (`torch.LongTensor` of shape `(batch_size, length)`, *optional*):
+            Usually `input_ids`; they are shifted inside the head, -100 where ignored. Labels already aligned with
+            the outputs may come as `shift_labels` instead (transformers' keyword; not a named argument, so that the
+            Trainer does not take it for a label column it requires).
+
+        With experts the output is a `MoeCausalLMOutput` (Mixtral's, plus `z_loss`); the weighted router losses are
+        already in the gradient of any loss built from `logits` (see `attach_router_loss`).
+        """
+        check_token_labels(labels, self.config.vocab_size, first_given(input_ids, inputs_embeds), "input_ids")
+        targets = self.next_token_targets(labels, kwargs.get("shift_labels"))
+        plan = self.plan(targets, attention_mask, logits_to_keep, output_router_logits)
+        outputs = self.model(
+            return_dict=True,  # the head reads fields; its own return_dict applies to its output
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            token_mask=plan.token_mask,
+            output_router_logits=plan.router.compute,
+            **kwargs,
+        )
+        return self.predict(plan, outputs, logits_to_keep, **kwargs)
 
 
 class VanillaTransformerForMaskedLM(TokenPredictionHead):
@@ -327,6 +397,7 @@ class VanillaTransformerForQuestionAnswering(SingleStackTaskHead):
 
 
 __all__ = [
+    "VanillaTransformerForCausalLM",
     "VanillaTransformerForMaskedLM",
     "VanillaTransformerForSequenceClassification",
     "VanillaTransformerForTokenClassification",

@@ -51,7 +51,13 @@ WORDS = "the a cat dog sat on mat ran to house red blue big small one two three 
 EXPECTED_AUTO_MAP = {
     VanillaTransformerModel: {"AutoConfig", "AutoModel"},  # the heads file does not travel with a base model
     VanillaTransformerForConditionalGeneration: {"AutoConfig", "AutoModel", "AutoModelForSeq2SeqLM"},
-    VanillaTransformerForCausalLM: {"AutoConfig", "AutoModel", "AutoModelForCausalLM"},
+    VanillaTransformerForCausalLM: {  # a causal LM checkpoint also starts a GPT-style classifier
+        "AutoConfig",
+        "AutoModel",
+        "AutoModelForCausalLM",
+        "AutoModelForSequenceClassification",
+        "AutoModelForTokenClassification",
+    },
     **dict.fromkeys(
         [
             VanillaTransformerForMaskedLM,
@@ -355,7 +361,9 @@ def test_offline_pull_from_hub_cache_without_the_package(hub, tmp_path, seq2seq)
     assert pulled["text"] == tokenizer.batch_decode(expected, skip_special_tokens=True)
     assert set(pulled["loading"]) == EXPECTED_AUTO_MAP[head] - {"AutoConfig"}
     for auto_class, (module, missing, unexpected) in pulled["loading"].items():
-        assert module.startswith("transformers_modules.") and missing == [] and unexpected == [], auto_class
+        # Every weight of the checkpoint loads; a classifier started from it adds only its new output layer.
+        new_layer = ["classifier.bias", "classifier.weight"] if "Classification" in auto_class else []
+        assert module.startswith("transformers_modules.") and missing == new_layer and unexpected == [], auto_class
 
 
 @pytest.mark.parametrize(

@@ -395,7 +395,9 @@ def test_a_seq2seq_checkpoint_fails_to_load_into_a_single_stack_head(auto_class)
             auto_class.from_pretrained(directory)
 
 
-@pytest.mark.parametrize("head", [VanillaTransformerForSequenceClassification, VanillaTransformerForTokenClassification])
+@pytest.mark.parametrize(
+    "head", [VanillaTransformerForSequenceClassification, VanillaTransformerForTokenClassification]
+)
 def test_classifiers_with_every_label_ignored_give_loss_zero(head):
     model = head(VanillaTransformerConfig(**TINY)).eval()
     ids = torch.randint(3, TINY["vocab_size"], (2, 5))

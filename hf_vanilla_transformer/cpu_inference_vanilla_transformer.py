@@ -15,7 +15,7 @@ decoding step's Linear layers at 8 rows: 1.5x). So:
   takes the one that streams fastest for its number of rows. Below 8 rows (greedy or beam decoding of one sentence)
   `F.linear` multiplies by the weight stored (in, out) row-major. From 8 rows on (a batch of sentences) oneDNN's
   product on its prepacked copy is faster, because it does not repack the weight on every call (batch-8 greedy
-  decoding of transformer-base: 1.47x HF Marian). The same arithmetic in another order; the Linear weights take
+  decoding of transformer-base: 1.45-1.47x HF Marian). The same arithmetic in another order; the Linear weights take
   twice their memory. The tied output projection gets its own copies, so that the embedding lookups keep their
   row-contiguous table.
 * ``"int8"``: the weights of the Linear layers become int8 with one float scale per output channel (symmetric,

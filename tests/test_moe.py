@@ -543,7 +543,11 @@ def test_ddp_two_processes_without_unused_parameter_errors(tmp_path):
         )
         for rank in range(2)
     ]
-    outputs = [process.communicate(timeout=240) for process in ranks]
+    try:
+        outputs = [process.communicate(timeout=240) for process in ranks]
+    finally:  # a rank that hangs must not outlive the test
+        for process in ranks:
+            process.kill()
     for process, (stdout, stderr) in zip(ranks, outputs):
         assert process.returncode == 0, stdout[-3000:] + stderr[-3000:]
     assert sorted(stdout.strip() for stdout, _ in outputs) == ["DDP OK rank 0", "DDP OK rank 1"]

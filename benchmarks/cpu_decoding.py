@@ -14,22 +14,19 @@ in the same run, the weight bytes one decoding step reads in each precision, and
 import argparse
 import copy
 import importlib.util
-import json
 import statistics
 import tempfile
 from collections.abc import Callable
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 from marian_twin import build_pair
-from measure import environment, memory_bandwidth, time_round_robin
+from measure import environment, memory_bandwidth, time_round_robin, write_results
 
 from hf_vanilla_transformer.cpu_inference_vanilla_transformer import optimize_for_cpu_inference
 
 # The paper's transformer-base with a 32000-token vocabulary (d_model, layers, heads, ffn_dim, vocab_size).
 SIZE = "transformer-base-32k"
-RESULTS_DIR = Path(__file__).parent / "results"
 PRECISION_BYTES = {"float32": 4, "bfloat16": 2, "int8": 1}
 SHAPES = [(1, 1), (8, 1), (1, 4), (8, 4)]  # (batch, beams)
 # Thread settings: (threads, clock). One thread on CPU time is the steady figure on a shared machine.
@@ -190,10 +187,7 @@ def main() -> None:
     section = cpu_decoding_section(args.repeats, new_tokens=new_tokens, quick=args.quick)
     results = {"environment": environment(torch.device("cpu")), "cpu_decoding": section}
     print_cpu_decoding(section)
-    output = args.output or RESULTS_DIR / f"{datetime.now(timezone.utc):%Y%m%d-%H%M%S}-cpu-decoding.json"
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps(results, indent=2))
-    print(f"\nwrote {output}")
+    write_results(results, args.output, "cpu-decoding")
 
 
 if __name__ == "__main__":

@@ -1,16 +1,29 @@
 """Measurement helpers: alternating A/B timing, peak tensor memory, peak matmul throughput, environment facts."""
 
 import itertools
+import json
 import platform
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
 
 import torch
 import transformers
 from torch.profiler import ProfilerActivity, profile
 from torch.profiler._memory_profiler import Action, MemoryProfile
+
+RESULTS_DIR = Path(__file__).parent / "results"
+
+
+def write_results(results: dict, output: Path | None, name: str) -> None:
+    """`results` as JSON at `output`, by default `benchmarks/results/<UTC date-time>-<name>.json`."""
+    output = output or RESULTS_DIR / f"{datetime.now(timezone.utc):%Y%m%d-%H%M%S}-{name}.json"
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(results, indent=2))
+    print(f"\nwrote {output}")
 
 
 def synchronize(device: torch.device) -> None:

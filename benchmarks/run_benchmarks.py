@@ -17,10 +17,8 @@ fp32 on CPU; bf16 with sdpa on a GPU when one is present. Prints a table and wri
 """
 
 import argparse
-import json
 import sys
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
@@ -33,10 +31,9 @@ from measure import (
     peak_memory_bytes,
     tensor_bytes,
     time_alternating,
+    write_results,
 )
 from moe_layer import moe_section
-
-RESULTS_DIR = Path(__file__).parent / "results"
 
 
 @dataclass
@@ -315,10 +312,7 @@ def main() -> None:
         sys.exit("--repeats must be at least 5: the reported numbers are medians.")
     results = run(settings, set(args.sections.split(",")))
     print_table(results)
-    output = args.output or RESULTS_DIR / f"{datetime.now(timezone.utc):%Y%m%d-%H%M%S}-{settings.device.type}.json"
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps(results, indent=2))
-    print(f"\nwrote {output}")
+    write_results(results, args.output, settings.device.type)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
-"""What the seq2seq and causal-LM scripts share: model arguments, the paper's optimisation recipe, local data files,
-and the output directory's model card with its training plot."""
+"""What the training scripts share: argument parsing, model arguments, the paper's optimisation recipe, local data
+files, training with perplexity, and the output directory's model card with its training plot."""
 
 import dataclasses
 import json
+import logging
 import math
 import os
 from collections.abc import Callable, Iterator
@@ -16,12 +17,13 @@ import matplotlib
 matplotlib.use("Agg")  # headless: the plot only goes to a file
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
+import transformers  # noqa: E402
 from accelerate import PartialState  # noqa: E402
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin  # noqa: E402
 from datasets import DatasetDict, load_dataset  # noqa: E402
 from torch.distributed.fsdp import FSDPModule  # noqa: E402
 from torch.optim.lr_scheduler import LambdaLR  # noqa: E402
-from transformers import PreTrainedTokenizerBase, Trainer  # noqa: E402
+from transformers import HfArgumentParser, PreTrainedTokenizerBase, Trainer, set_seed  # noqa: E402
 
 from hf_vanilla_transformer import VanillaTransformerConfig  # noqa: E402
 from hf_vanilla_transformer.configuration_vanilla_transformer import PRESETS  # noqa: E402
@@ -243,6 +245,31 @@ def new_model_config(model_args: ModelArguments, tokenizer: PreTrainedTokenizerB
 def check_model_arguments(model_args: ModelArguments) -> None:
     if model_args.model_name_or_path and model_args.config_overrides:
         raise ValueError("--config_overrides builds a new model; it cannot change --model_name_or_path's config.")
+
+
+def parse_script_arguments(dataclass_types: tuple[type, ...], argv: list[str] | None) -> tuple[Any, ...]:
+    """A training script's argument dataclasses (model, data, training) from `argv`, the command line by default,
+    with the model arguments checked; then the logging set up and every random generator seeded with `--seed`."""
+    model_args, *other_args = HfArgumentParser(dataclass_types).parse_args_into_dataclasses(args=argv)
+    check_model_arguments(model_args)
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
+    transformers.utils.logging.set_verbosity_warning()
+    set_seed(other_args[-1].seed)
+    return (model_args, *other_args)
+
+
+def train_then_evaluate_perplexity(trainer: Trainer) -> dict[str, float]:
+    """`--do_train` (resuming from `--resume_from_checkpoint`), then `--do_eval` with the perplexity beside the loss:
+    exp(mean cross-entropy over the predicted tokens), how many words the model still hesitates between."""
+    training_args, metrics = trainer.args, {}
+    if training_args.do_train:
+        metrics.update(trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint).metrics)
+    if training_args.do_eval:
+        metrics.update(trainer.evaluate())
+        metrics["eval_perplexity"] = math.exp(min(metrics["eval_loss"], 700.0))  # exp overflows float64 past ~709
+        trainer.log({"eval_perplexity": metrics["eval_perplexity"]})
+    trainer.log_metrics("all", metrics)
+    return metrics
 
 
 def load_local_files(train_file: str | None, validation_file: str | None) -> DatasetDict:

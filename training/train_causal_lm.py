@@ -8,13 +8,10 @@ sentences (training/demo_data.py). Optimisation defaults to the paper's Adam and
     python training/train_causal_lm.py --output_dir out/lm --preset demo-small --do_train --do_eval --max_steps 500
 """
 
-import logging
-import math
 import sys
 from dataclasses import dataclass, field
 from itertools import chain
 
-import transformers
 from datasets import DatasetDict, load_dataset
 from demo_data import arithmetic_text_dataset
 from run_common import (
@@ -22,27 +19,25 @@ from run_common import (
     ModelArguments,
     NoamArguments,
     NoamTrainerMixin,
-    check_model_arguments,
     load_local_files,
     new_model_config,
+    parse_script_arguments,
     run_ranks_on_cpu_without_accelerator,
     save_run,
     schedule_description,
+    train_then_evaluate_perplexity,
 )
 from train_tokenizer import train_bpe_tokenizer
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
-    HfArgumentParser,
     Trainer,
     TrainingArguments,
     default_data_collator,
-    set_seed,
 )
 
 import hf_vanilla_transformer  # noqa: F401  (registers the Auto classes)
 
-logger = logging.getLogger(__name__)
 DEMO_DATASET = "num2words arithmetic sentences (built-in demo, training/demo_data.py)"
 
 
@@ -91,14 +86,11 @@ def pack_into_blocks(examples: dict[str, list], block_size: int) -> dict[str, li
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
     run_ranks_on_cpu_without_accelerator()
-    parser = HfArgumentParser((ModelArguments, DataArguments, PaperTrainingArguments))
-    model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=argv)
-    check_model_arguments(model_args)
+    model_args, data_args, training_args = parse_script_arguments(
+        (ModelArguments, DataArguments, PaperTrainingArguments), argv
+    )
     if data_args.block_size <= 1:
         raise ValueError(f"--block_size must be at least 2, got {data_args.block_size}.")
-    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
-    transformers.utils.logging.set_verbosity_warning()
-    set_seed(training_args.seed)
 
     raw, dataset_label = load_raw_datasets(data_args)
     column_names = raw[next(iter(raw))].column_names
@@ -154,15 +146,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         processing_class=tokenizer,
         data_collator=default_data_collator,
     )
-    metrics: dict[str, float] = {}
-    if training_args.do_train:
-        metrics.update(trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint).metrics)
-    if training_args.do_eval:
-        metrics.update(trainer.evaluate())
-        # Perplexity = exp(mean token cross-entropy) on the validation blocks.
-        metrics["eval_perplexity"] = math.exp(min(metrics["eval_loss"], 700.0))
-        trainer.log({"eval_perplexity": metrics["eval_perplexity"]})
-    trainer.log_metrics("all", metrics)
+    metrics = train_then_evaluate_perplexity(trainer)
     recipe = {
         "preset": model_args.model_name_or_path or model_args.preset,
         "config_overrides": model_args.config_overrides,

@@ -11,23 +11,21 @@ neither the built-in topic language (training/demo_text_data.py).
     python training/train_classifier.py --model_name_or_path out/mlm --output_dir out/clf --do_train --do_eval
 """
 
-import logging
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 import numpy as np
-import transformers
 from datasets import ClassLabel, DatasetDict
 from demo_text_data import labelled_topics, word_tokenizer
 from run_common import (
     ModelArguments,
     NoamArguments,
     TextDataArguments,
-    check_model_arguments,
     load_text_data,
     new_model_config,
+    parse_script_arguments,
     plot_training_curves,
     plt,
     required_split,
@@ -39,15 +37,12 @@ from transformers import (
     AutoTokenizer,
     DataCollatorWithPadding,
     EvalPrediction,
-    HfArgumentParser,
     PreTrainedTokenizerBase,
     TrainingArguments,
-    set_seed,
 )
 
 from hf_vanilla_transformer.model_card_vanilla_transformer import write_model_card
 
-logger = logging.getLogger(__name__)
 DEMO_DATASET = "synthetic topic language, labelled by topic (built-in demo, training/demo_text_data.py)"
 CONFUSION_PLOT = "confusion_matrix.png"
 
@@ -149,12 +144,9 @@ def classifier_tokenizer(
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
-    parser = HfArgumentParser((ClassifierModelArguments, ClassifierDataArguments, FineTuningArguments))
-    model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=argv)
-    check_model_arguments(model_args)
-    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
-    transformers.utils.logging.set_verbosity_warning()
-    set_seed(training_args.seed)
+    model_args, data_args, training_args = parse_script_arguments(
+        (ClassifierModelArguments, ClassifierDataArguments, FineTuningArguments), argv
+    )
 
     data, dataset_label = load_text_data(data_args, labelled_topics, DEMO_DATASET)
     names = label_names(data, data_args.label_column)

@@ -10,22 +10,20 @@ predicts the originals. Data: a Hub dataset (--dataset_name), local csv/json/jso
     python training/train_masked_lm.py --output_dir out/mlm --preset demo-small --do_train --do_eval --max_steps 500
 """
 
-import logging
-import math
 import sys
 from dataclasses import dataclass, field
 
-import transformers
 from demo_text_data import unlabelled_text, word_tokenizer
 from run_common import (
     ModelArguments,
     TextDataArguments,
-    check_model_arguments,
     load_text_data,
     new_model_config,
+    parse_script_arguments,
     required_split,
     save_run,
     schedule_description,
+    train_then_evaluate_perplexity,
 )
 from train_causal_lm import PaperTrainer, PaperTrainingArguments
 from train_tokenizer import train_bpe_tokenizer
@@ -33,14 +31,11 @@ from transformers import (
     AutoModelForMaskedLM,
     AutoTokenizer,
     DataCollatorForLanguageModeling,
-    HfArgumentParser,
     PreTrainedTokenizerBase,
-    set_seed,
 )
 
 import hf_vanilla_transformer  # noqa: F401  (registers the Auto classes)
 
-logger = logging.getLogger(__name__)
 DEMO_DATASET = "synthetic topic language (built-in demo, training/demo_text_data.py)"
 MASK_TOKEN = "<mask>"
 
@@ -68,14 +63,11 @@ def masked_lm_tokenizer(
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
-    parser = HfArgumentParser((ModelArguments, MaskedLMDataArguments, PaperTrainingArguments))
-    model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=argv)
-    check_model_arguments(model_args)
+    model_args, data_args, training_args = parse_script_arguments(
+        (ModelArguments, MaskedLMDataArguments, PaperTrainingArguments), argv
+    )
     if not 0 < data_args.mlm_probability < 1:
         raise ValueError(f"--mlm_probability must be in (0, 1), got {data_args.mlm_probability}.")
-    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
-    transformers.utils.logging.set_verbosity_warning()
-    set_seed(training_args.seed)
 
     raw, dataset_label = load_text_data(data_args, unlabelled_text, DEMO_DATASET)
     train_texts = (text for batch in raw["train"].iter(batch_size=1000) for text in batch[data_args.text_column])
@@ -110,15 +102,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             tokenizer, mlm_probability=data_args.mlm_probability, seed=training_args.seed
         ),
     )
-    metrics: dict[str, float] = {}
-    if training_args.do_train:
-        metrics.update(trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint).metrics)
-    if training_args.do_eval:
-        metrics.update(trainer.evaluate())
-        # exp(mean cross-entropy over the masked tokens): how many words the model still hesitates between.
-        metrics["eval_perplexity"] = math.exp(min(metrics["eval_loss"], 700.0))
-        trainer.log({"eval_perplexity": metrics["eval_perplexity"]})
-    trainer.log_metrics("all", metrics)
+    metrics = train_then_evaluate_perplexity(trainer)
     recipe = {
         "preset": model_args.model_name_or_path or model_args.preset,
         "config_overrides": model_args.config_overrides,

@@ -29,9 +29,9 @@ from run_common import (
     ModelArguments,
     NoamArguments,
     NoamTrainerMixin,
-    check_model_arguments,
     load_local_files,
     new_model_config,
+    parse_script_arguments,
     run_ranks_on_cpu_without_accelerator,
     save_run,
     schedule_description,
@@ -41,10 +41,8 @@ from transformers import (
     AutoModelForSeq2SeqLM,
     AutoTokenizer,
     DataCollatorForSeq2Seq,
-    HfArgumentParser,
     Seq2SeqTrainer,
     Seq2SeqTrainingArguments,
-    set_seed,
 )
 
 import hf_vanilla_transformer  # noqa: F401  (registers the Auto classes)
@@ -170,12 +168,9 @@ def bleu_and_chrf(tokenizer):
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
     run_ranks_on_cpu_without_accelerator()
-    parser = HfArgumentParser((ModelArguments, DataArguments, PaperSeq2SeqTrainingArguments))
-    model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=argv)
-    check_model_arguments(model_args)
-    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
-    transformers.utils.logging.set_verbosity_warning()
-    set_seed(training_args.seed)
+    model_args, data_args, training_args = parse_script_arguments(
+        (ModelArguments, DataArguments, PaperSeq2SeqTrainingArguments), argv
+    )
 
     raw, dataset_label = load_raw_datasets(data_args)
     columns = source_target_columns(data_args, raw[next(iter(raw))].column_names)

@@ -1,4 +1,4 @@
-"""VanillaTransformerConfig: every invalid field value or combination raises a ValueError naming the field, at
+"""VanillaTransformerConfig: every invalid field value or combination is refused with an error naming the field, at
 construction and from a config.json; every valid config saves and loads back exactly; the generic size names that
 transformers' caches read describe the stack a model runs.
 
@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
+from huggingface_hub.errors import StrictDataclassError
 from hypothesis import strategies as st
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, EncoderDecoderCache, StaticCache
 
@@ -35,6 +36,9 @@ TINY = dict(
     decoder_ffn_dim=32,
 )
 DECODER_ONLY = dict(is_encoder_decoder=False, is_decoder=True)
+# What a refused config raises: huggingface_hub's strict-dataclass errors for a field's type or range and for the rules
+# between fields (each names the field), ValueError for what transformers' base class or `__post_init__` refuses.
+CONFIG_ERRORS = (ValueError, StrictDataclassError)
 ENCODER_ONLY = dict(is_encoder_decoder=False, is_decoder=False)
 
 
@@ -163,7 +167,6 @@ INT_RANGES = {
     "num_experts_per_tok": (1, False),
     "moe_layer_frequency": (1, False),
     "num_shared_experts": (0, False),
-    "chunk_size_feed_forward": (0, False),
     "num_key_value_heads": (1, True),
     "encoder_attention_heads": (1, False),
     "decoder_attention_heads": (1, False),
@@ -190,9 +193,7 @@ LITERALS = {
     "sinusoidal_layout": ("interleaved", "concatenated"),
     "moe_stacks": ("encoder", "decoder", "both"),
     "classifier_pooling": ("mean", "first"),
-    "problem_type": ("regression", "single_label_classification", "multi_label_classification"),
 }
-OPTIONAL_LITERALS = {"problem_type"}
 BOOLS = {  # name: whether None is allowed
     "norm_bias": False,
     "use_bias": False,
@@ -206,9 +207,6 @@ BOOLS = {  # name: whether None is allowed
     "use_cache": False,
     "is_encoder_decoder": False,
     "is_decoder": False,
-    "output_hidden_states": True,
-    "return_dict": True,
-    "output_attentions": True,
 }
 NOT_FINITE = [math.nan, math.inf, -math.inf]
 
@@ -230,7 +228,7 @@ def edge_invalid_values(fields: dict[str, Any]) -> dict[str, list[Any]]:
         out_of_range = [low - 0.5, low - 1e-9] + ([] if low_allowed else [low, int(low)]) + ([high] if high else [])
         values[name] = out_of_range + NOT_FINITE + ["0.5", True, [0.5]] + ([] if optional else [None])
     for name, choices in LITERALS.items():
-        values[name] = ["", choices[0].upper(), 1, True] + ([] if name in OPTIONAL_LITERALS else [None])
+        values[name] = ["", choices[0].upper(), 1, True, None]
     for name, optional in BOOLS.items():
         values[name] = [0, 1, "true", 1.0] + ([] if optional else [None])
     for name in ("pad_token_id", "bos_token_id", "decoder_start_token_id", "eos_token_id", "forced_eos_token_id"):
@@ -238,8 +236,6 @@ def edge_invalid_values(fields: dict[str, Any]) -> dict[str, list[Any]]:
     for name in ("eos_token_id", "forced_eos_token_id"):
         values[name] += [[], [vocab_size], [-1], [True], [0, vocab_size], ["1"]]
     values["dtype"] = ["nonsense", "int8", "auto", torch.int64, 3]
-    values["architectures"] = ["VanillaTransformerForCausalLM", [1]]
-    values["transformers_version"] = [5, ["5.23.0"]]
     return values
 
 
@@ -259,22 +255,16 @@ LABEL_FIELDS = ("num_labels", "id2label", "label2id", "problem_type")
 
 @st.composite
 def invalid_label_fields(draw) -> tuple[dict[str, Any], str]:
-    """Label settings that contradict themselves, and the field to name."""
+    """Label settings transformers' configs refuse too (a `num_labels` that disagrees with `id2label` is not one:
+    it replaces the label maps), and the field to name."""
     return draw(
         st.sampled_from(
             [
-                (dict(num_labels=0), "num_labels"),
                 (dict(num_labels=-2), "num_labels"),
                 (dict(num_labels=1.5), "num_labels"),
                 (dict(num_labels=True), "num_labels"),
-                (dict(num_labels=3, id2label={0: "a", 1: "b"}), "num_labels"),
-                (dict(id2label={}), "id2label"),
-                (dict(id2label={1: "a"}), "id2label"),
-                (dict(id2label={0: 1}), "id2label"),
                 (dict(id2label={"x": "a"}), "id2label"),
                 (dict(id2label=["a"]), "id2label"),
-                (dict(id2label={0: "a", 1: "b"}, label2id={"a": 0, "c": 1}), "label2id"),
-                (dict(label2id={"a": 0}), "label2id"),
                 (dict(num_labels=1, problem_type="single_label_classification"), "problem_type"),
             ]
         )
@@ -376,7 +366,7 @@ def refusals(fields: dict[str, Any], directory: Path) -> list[str]:
         try:
             load()
             messages.append("accepted")
-        except ValueError as err:
+        except CONFIG_ERRORS as err:
             messages.append(str(err))
     return messages
 
@@ -411,23 +401,34 @@ def test_every_edge_invalid_value_is_refused_naming_its_field(stack_fields, tmp_
         (dict(eos_token_id=[]), "eos_token_id"),
         (dict(forced_eos_token_id=[2, 40]), "forced_eos_token_id"),
         (dict(initializer_range=-0.02), "initializer_range"),
-        (dict(num_labels=0), "num_labels"),
-        (dict(problem_type="ordinal"), "problem_type"),
-        (dict(output_hidden_states="yes"), "output_hidden_states"),
+        (dict(num_labels=-1), "num_labels"),
         (dict(norm_position="deepnorm", decoder_layers=0), "decoder_layers"),
         (dict(DECODER_ONLY, decoder_layers=0), "decoder_layers"),  # cached decoding would stay at position 0
     ],
     ids=lambda value: value if isinstance(value, str) else None,
 )
 def test_reported_invalid_values_are_refused(overrides, field):
-    with pytest.raises(ValueError, match=field):
+    with pytest.raises(CONFIG_ERRORS, match=field):
         VanillaTransformerConfig(**{**TINY, **overrides})
 
 
 def test_an_int_is_accepted_wherever_a_float_is():
     config = VanillaTransformerConfig(**TINY, num_experts=2, expert_capacity_factor=1, rope_theta=10000, dropout=0)
-    assert (config.expert_capacity_factor, config.rope_theta, config.dropout) == (1.0, 10000.0, 0.0)
-    assert all(isinstance(value, float) for value in (config.expert_capacity_factor, config.rope_theta))
+    assert (config.expert_capacity_factor, config.rope_theta, config.dropout) == (1, 10000, 0)
+
+
+def test_label_maps_follow_transformers_conventions(tmp_path):
+    # ConfigTester's maps (label2id values as strings) and a one-label regression head load, as in transformers.
+    config = VanillaTransformerConfig(**TINY, id2label={0: "label"}, label2id={"label": "0"})
+    assert config.num_labels == 1
+    assert VanillaTransformerConfig(**TINY, num_labels=1, problem_type="regression").num_labels == 1
+    # A new num_labels replaces the maps (re-heading a classifier), at construction and as a load override.
+    three = VanillaTransformerConfig(**TINY, id2label={0: "a", 1: "b", 2: "c"})
+    assert VanillaTransformerConfig(**three.to_dict() | {"num_labels": 5}).id2label == {
+        i: f"LABEL_{i}" for i in range(5)
+    }
+    three.save_pretrained(tmp_path)
+    assert VanillaTransformerConfig.from_pretrained(tmp_path, num_labels=5).num_labels == 5
 
 
 def test_fields_of_a_stack_the_model_does_not_run_are_not_constrained():
@@ -436,24 +437,28 @@ def test_fields_of_a_stack_the_model_does_not_run_are_not_constrained():
     VanillaTransformerConfig(
         **{**TINY, "d_model": 24, "encoder_attention_heads": 5, "encoder_layers": 0}, **DECODER_ONLY
     )
-    with pytest.raises(ValueError, match="encoder_attention_heads"):
+    with pytest.raises(CONFIG_ERRORS, match="encoder_attention_heads"):
         VanillaTransformerConfig(**{**TINY, "d_model": 24, "encoder_attention_heads": 5})
 
 
-def test_changes_after_construction_are_checked_on_save_and_on_load_overrides(tmp_path):
+def test_changes_after_construction_are_checked_on_assignment_save_and_load_overrides(tmp_path):
     config = VanillaTransformerConfig(**TINY)
     config.save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="rope_theta"):
+    with pytest.raises(CONFIG_ERRORS, match="rope_theta"):
         VanillaTransformerConfig.from_pretrained(tmp_path, rope_theta=0.5)  # set after construction by from_dict
-    config.norm_eps = math.nan
-    with pytest.raises(ValueError, match="norm_eps"):
+    with pytest.raises(CONFIG_ERRORS, match="d_model"):  # a rule between fields, checked after the overrides
+        VanillaTransformerConfig.from_pretrained(tmp_path, d_model=18)
+    with pytest.raises(CONFIG_ERRORS, match="norm_eps"):
+        config.norm_eps = math.nan  # a field's own range: refused when set
+    config.d_model = 18  # a rule between fields: refused when the config is validated or saved
+    with pytest.raises(CONFIG_ERRORS, match="d_model"):
         config.save_pretrained(tmp_path)
 
 
 def test_a_model_refuses_a_bad_config_json_before_reading_weights(tmp_path):
     bad = {**TINY, **DECODER_ONLY, "model_type": "vanilla_transformer", "eos_token_id": [2, 99]}
     (tmp_path / "config.json").write_text(json.dumps(bad))
-    with pytest.raises(ValueError, match="eos_token_id"):
+    with pytest.raises(CONFIG_ERRORS, match="eos_token_id"):
         AutoModelForCausalLM.from_pretrained(tmp_path)
 
 
@@ -511,7 +516,7 @@ def test_for_single_stack_is_a_validated_copy():
     assert config.stacks == ("encoder", "decoder")  # the original is untouched
     assert config.for_single_stack("encoder").stacks == ("encoder",)
     encoder_only = VanillaTransformerConfig(**{**TINY, "d_model": 24, "decoder_attention_heads": 5}, **ENCODER_ONLY)
-    with pytest.raises(ValueError, match="decoder_attention_heads"):
+    with pytest.raises(CONFIG_ERRORS, match="decoder_attention_heads"):
         encoder_only.for_single_stack("decoder")
     with pytest.raises(ValueError, match="stack"):
         config.for_single_stack("both")

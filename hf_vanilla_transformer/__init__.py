@@ -8,29 +8,23 @@ tokenizer) that using the model itself does not need.
 import importlib
 from typing import Any
 
-from transformers import (
-    AutoConfig,
-    AutoModel,
-    AutoModelForCausalLM,
-    AutoModelForMaskedLM,
-    AutoModelForQuestionAnswering,
-    AutoModelForSeq2SeqLM,
-    AutoModelForSequenceClassification,
-    AutoModelForTokenClassification,
-)
+import transformers
 
-from .configuration_vanilla_transformer import VanillaTransformerConfig
-from .heads_vanilla_transformer import VanillaTransformerForConditionalGeneration
-from .hub_vanilla_transformer import push_repository
-from .model_card_vanilla_transformer import build_model_card, write_model_card
-from .modeling_vanilla_transformer import VanillaTransformerModel, VanillaTransformerPreTrainedModel
-from .task_heads_vanilla_transformer import (
-    VanillaTransformerForCausalLM,
-    VanillaTransformerForMaskedLM,
+from .auto_vanilla_transformer import HEADS
+from .classification_vanilla_transformer import (
     VanillaTransformerForQuestionAnswering,
     VanillaTransformerForSequenceClassification,
     VanillaTransformerForTokenClassification,
 )
+from .configuration_vanilla_transformer import VanillaTransformerConfig
+from .hub_vanilla_transformer import push_repository
+from .language_modeling_vanilla_transformer import (
+    VanillaTransformerForCausalLM,
+    VanillaTransformerForConditionalGeneration,
+    VanillaTransformerForMaskedLM,
+)
+from .model_card_vanilla_transformer import build_model_card, write_model_card
+from .modeling_vanilla_transformer import VanillaTransformerModel, VanillaTransformerPreTrainedModel
 
 # Public names imported on first access, and the sibling module defining each.
 LAZY_NAMES: dict[str, str] = {
@@ -41,19 +35,12 @@ LAZY_NAMES: dict[str, str] = {
     "optimize_for_cpu_inference": "cpu_inference_vanilla_transformer",
 }
 
-AutoConfig.register(VanillaTransformerConfig.model_type, VanillaTransformerConfig, exist_ok=True)
+transformers.AutoConfig.register(VanillaTransformerConfig.model_type, VanillaTransformerConfig, exist_ok=True)
 VanillaTransformerConfig.register_for_auto_class()
-for _auto_class, _model_class in [
-    (AutoModel, VanillaTransformerModel),
-    (AutoModelForSeq2SeqLM, VanillaTransformerForConditionalGeneration),
-    (AutoModelForCausalLM, VanillaTransformerForCausalLM),
-    (AutoModelForSequenceClassification, VanillaTransformerForSequenceClassification),
-    (AutoModelForMaskedLM, VanillaTransformerForMaskedLM),
-    (AutoModelForTokenClassification, VanillaTransformerForTokenClassification),
-    (AutoModelForQuestionAnswering, VanillaTransformerForQuestionAnswering),
-]:
-    _auto_class.register(VanillaTransformerConfig, _model_class, exist_ok=True)
-    _model_class.register_for_auto_class(_auto_class.__name__)  # save_pretrained copies the code files
+for _name, _head in HEADS.items():  # every declared class, with the Auto class that loads it
+    _model_class = getattr(importlib.import_module(f".{_head.module}", __name__), _name)
+    getattr(transformers, _head.auto_class).register(VanillaTransformerConfig, _model_class, exist_ok=True)
+    _model_class.register_for_auto_class(_head.auto_class)  # save_pretrained copies the code files
 
 
 def __getattr__(name: str) -> Any:

@@ -234,7 +234,7 @@ class VanillaTransformerConfig(PreTrainedConfig):
             )
         capacity_factor = self.expert_capacity_factor
         if capacity_factor is not None and not (math.isfinite(capacity_factor) and capacity_factor > 0):
-            raise ValueError(f"expert_capacity_factor must be None (dropless) or finite and > 0, got {capacity_factor}.")
+            raise ValueError(f"expert_capacity_factor must be None (dropless) or finite and > 0, got {capacity_factor}")
         if self.num_experts > 0 and self.num_experts_per_tok > self.num_experts:
             raise ValueError(
                 f"num_experts_per_tok={self.num_experts_per_tok} must be between 1 and num_experts={self.num_experts}."

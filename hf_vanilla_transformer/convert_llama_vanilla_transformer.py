@@ -12,7 +12,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from .configuration_vanilla_transformer import VanillaTransformerConfig
-from .task_heads_vanilla_transformer import VanillaTransformerForCausalLM
+from .language_modeling_vanilla_transformer import VanillaTransformerForCausalLM
 
 # Llama's `hidden_act` (applied to gate_proj) -> our gated ffn_type with the same gate activation.
 GATED_FFN_FOR_ACTIVATION = {"silu": "swiglu", "gelu": "geglu", "relu": "reglu"}

@@ -24,7 +24,7 @@ from transformers import MarianMTModel, MarianTokenizer
 from transformers.utils import logging
 
 from .configuration_vanilla_transformer import VanillaTransformerConfig
-from .heads_vanilla_transformer import VanillaTransformerForConditionalGeneration
+from .language_modeling_vanilla_transformer import VanillaTransformerForConditionalGeneration
 
 logger = logging.get_logger(__name__)
 

@@ -10,7 +10,7 @@ from transformers import LlamaConfig, MixtralForCausalLM
 
 from .configuration_vanilla_transformer import VanillaTransformerConfig
 from .convert_llama_vanilla_transformer import _rename, llama_config_to_vanilla_transformer
-from .task_heads_vanilla_transformer import VanillaTransformerForCausalLM
+from .language_modeling_vanilla_transformer import VanillaTransformerForCausalLM
 
 
 def mixtral_config_to_vanilla_transformer(config) -> VanillaTransformerConfig:

@@ -37,9 +37,11 @@ from torch import nn
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from .configuration_vanilla_transformer import GATED_FFN_TYPES, VanillaTransformerConfig
-from .heads_vanilla_transformer import VanillaTransformerForConditionalGeneration
+from .language_modeling_vanilla_transformer import (
+    VanillaTransformerForCausalLM,
+    VanillaTransformerForConditionalGeneration,
+)
 from .positions_vanilla_transformer import sinusoidal_position_encoding
-from .task_heads_vanilla_transformer import VanillaTransformerForCausalLM
 
 INSTALL_HINT = "pip install hf_vanilla_transformer[ctranslate2]"
 

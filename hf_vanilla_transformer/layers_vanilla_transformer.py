@@ -7,7 +7,6 @@ d_model), by its stack (packing_vanilla_transformer): only attention scatters ba
 """
 
 from collections.abc import Callable
-from typing import Literal
 
 import torch
 from torch import nn
@@ -19,13 +18,11 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, eager
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs
 
-from .configuration_vanilla_transformer import GATED_FFN_TYPES, VanillaTransformerConfig
+from .configuration_vanilla_transformer import GATED_FFN_TYPES, Stack, VanillaTransformerConfig
 from .feed_forward_vanilla_transformer import build_feed_forward, ffn_activation
 from .moe_vanilla_transformer import EXPERTS_FUNCTIONS, VanillaTransformerSparseMoeBlock, gated_activation
 from .norms_vanilla_transformer import SublayerConnection, deepnorm_constants, set_deepnorm_init_gains
 from .packing_vanilla_transformer import PackedTokens
-
-Stack = Literal["encoder", "decoder"]
 
 
 class VanillaTransformerAttention(nn.Module):

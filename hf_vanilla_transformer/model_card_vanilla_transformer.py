@@ -13,88 +13,13 @@ from typing import Any
 import transformers
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 from transformers import PreTrainedConfig, PreTrainedModel
+from transformers.pipelines import get_supported_tasks
 
+from .auto_vanilla_transformer import HEADS
 from .configuration_vanilla_transformer import GATED_FFN_TYPES
 
 TEMPLATE_PATH = Path(__file__).with_name("model_card_template.md")
 PLACEHOLDER_REPO_ID = "<user>/<model>"
-
-# Head class -> (Auto class that loads it, Hub pipeline tag, one-line summary). transformers 5 has no translation
-# pipeline any more, but the Hub still tags encoder-decoder models by task; pass `pipeline_tag="text2text-generation"`
-# for other sequence-to-sequence tasks.
-HEADS: dict[str, tuple[str, str, str]] = {
-    "VanillaTransformerForConditionalGeneration": (
-        "AutoModelForSeq2SeqLM",
-        "translation",
-        "an encoder-decoder with a language-model head (the paper's translation model)",
-    ),
-    "VanillaTransformerForCausalLM": (
-        "AutoModelForCausalLM",
-        "text-generation",
-        "a decoder-only language model (the decoder stack without cross-attention)",
-    ),
-    "VanillaTransformerForSequenceClassification": (
-        "AutoModelForSequenceClassification",
-        "text-classification",
-        "a classifier: the encoder pooled (BERT-style), or a causal decoder's last token (GPT-style), then a linear "
-        "layer",
-    ),
-    "VanillaTransformerForMaskedLM": (
-        "AutoModelForMaskedLM",
-        "fill-mask",
-        "an encoder-only masked language model (BERT-style), its output projection tied to the embedding",
-    ),
-    "VanillaTransformerForTokenClassification": (
-        "AutoModelForTokenClassification",
-        "token-classification",
-        "a per-token classifier on the encoder (or a causal decoder)",
-    ),
-    "VanillaTransformerForQuestionAnswering": (
-        "AutoModelForQuestionAnswering",
-        "question-answering",
-        "extractive question answering: start and end scores per token of the encoder",
-    ),
-    "VanillaTransformerModel": ("AutoModel", "feature-extraction", "the encoder-decoder without a head"),
-}
-SEQ2SEQ_PIPELINE_TAGS = ("translation", "text2text-generation", "summarization")
-
-# Auto class -> the lines after loading that show what the model is for.
-USAGE_CALLS = {
-    "AutoModelForSeq2SeqLM": (
-        'inputs = tokenizer(["Your source sentence."], return_tensors="pt")\n'
-        "outputs = model.generate(**inputs, num_beams=4, max_new_tokens=64)\n"
-        "print(tokenizer.batch_decode(outputs, skip_special_tokens=True))"
-    ),
-    "AutoModelForCausalLM": (
-        'inputs = tokenizer(["Once upon a time"], return_tensors="pt")\n'
-        "outputs = model.generate(**inputs, do_sample=True, max_new_tokens=64)\n"
-        "print(tokenizer.batch_decode(outputs, skip_special_tokens=True))"
-    ),
-    "AutoModelForSequenceClassification": (
-        'logits = model(**tokenizer(["Some text."], return_tensors="pt")).logits\n'
-        "print(model.config.id2label[int(logits.argmax(-1))])"
-    ),
-    "AutoModelForMaskedLM": (
-        'inputs = tokenizer([f"Some {tokenizer.mask_token} text."], return_tensors="pt")\n'
-        "masked = inputs.input_ids == tokenizer.mask_token_id\n"
-        "print(tokenizer.decode(model(**inputs).logits[masked].argmax(-1)))"
-    ),
-    "AutoModelForTokenClassification": (
-        'logits = model(**tokenizer(["Some text."], return_tensors="pt")).logits\n'
-        "print([model.config.id2label[int(i)] for i in logits[0].argmax(-1)])"
-    ),
-    "AutoModelForQuestionAnswering": (
-        'inputs = tokenizer(["A question?"], ["The context."], return_tensors="pt")\n'
-        "outputs = model(**inputs)\n"
-        "start, end = int(outputs.start_logits.argmax()), int(outputs.end_logits.argmax())\n"
-        "print(tokenizer.decode(inputs.input_ids[0, start : end + 1]))"
-    ),
-    "AutoModel": (
-        'inputs = tokenizer(["Some text."], return_tensors="pt")\n'
-        "hidden_states = model(**inputs, decoder_input_ids=inputs.input_ids).last_hidden_state"
-    ),
-}
-
 
 def head_name(model_or_config: PreTrainedModel | PreTrainedConfig) -> str:
     """The head class a card describes: the model's class, else the config's `architectures`, else inferred."""
@@ -269,15 +194,19 @@ def build_model_card(
         plot_path: an image of training curves; the card links to its file name (`write_model_card` copies it).
         description: a paragraph placed under the title.
         language, license, base_model: card metadata.
-        pipeline_tag: Hub task; by default from the head (`translation`, `text-generation`, `text-classification`).
+        pipeline_tag: Hub task, one transformers has a pipeline for; by default the head's (`auto_vanilla_transformer`).
         limitations: caveats added after the ones derived from the config.
     """
     config = model_or_config.config if isinstance(model_or_config, PreTrainedModel) else model_or_config
     head = head_name(model_or_config)
-    auto_class, default_tag, summary = HEADS[head]
-    pipeline_tag = pipeline_tag or default_tag
-    if head == "VanillaTransformerForConditionalGeneration" and pipeline_tag not in SEQ2SEQ_PIPELINE_TAGS:
-        raise ValueError(f"pipeline_tag={pipeline_tag!r} does not fit a seq2seq model; use {SEQ2SEQ_PIPELINE_TAGS}.")
+    declared = HEADS[head]
+    auto_class, summary = declared.auto_class, declared.summary
+    pipeline_tag = pipeline_tag or declared.pipeline_tag
+    if pipeline_tag is not None and pipeline_tag not in get_supported_tasks():
+        raise ValueError(
+            f"pipeline_tag={pipeline_tag!r} is not a task transformers {transformers.__version__} has a pipeline for; "
+            f"choose one of {sorted(get_supported_tasks())}, or None."
+        )
     metrics = clean_results(results)
     if metrics and dataset is None:
         raise ValueError("results need the dataset they were measured on: pass dataset=<Hub dataset id>.")
@@ -292,7 +221,8 @@ def build_model_card(
         metrics=list(metrics) or None,
         base_model=base_model,
         model_name=model_name,
-        eval_results=eval_results(metrics, dataset, pipeline_tag) if metrics else None,
+        # model-index names the task evaluated, a Hub task: sequence-to-sequence where no pipeline tag applies.
+        eval_results=eval_results(metrics, dataset, pipeline_tag or "text2text-generation") if metrics else None,
     )
     load = (
         f"from transformers import AutoTokenizer, {auto_class}\n\n"
@@ -313,7 +243,7 @@ def build_model_card(
         plot_file=Path(plot_path).name if plot_path else None,
         results=metrics,
         transformers_version=transformers.__version__,
-        usage=load + USAGE_CALLS[auto_class],
+        usage=load + declared.usage,
         limitations=default_limitations(config) + list(limitations or []),
     )
 

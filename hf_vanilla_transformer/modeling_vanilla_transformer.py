@@ -7,21 +7,28 @@ its tokens once, on entry, when its batch is padded (packing_vanilla_transformer
 (tokens, d_model) and only attention scatters back to (batch, length).
 """
 
-from typing import Literal
+import importlib
 
 import torch
 from torch import nn
 from transformers import PreTrainedConfig
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
+from transformers.dynamic_module_utils import custom_object_save
 from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
-from transformers.modeling_outputs import BaseModelOutput, Seq2SeqModelOutput, Seq2SeqMoEModelOutput
+from transformers.modeling_outputs import (
+    BaseModelOutput,
+    BaseModelOutputWithPastAndCrossAttentions,
+    Seq2SeqModelOutput,
+    Seq2SeqMoEModelOutput,
+)
 from transformers.modeling_utils import PreTrainedModel
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple, is_torchdynamo_compiling
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
+from .auto_vanilla_transformer import HEADS, auto_map
 from .configuration_vanilla_transformer import VanillaTransformerConfig
 from .inputs_vanilla_transformer import (
     check_attention_mask,
@@ -46,8 +53,6 @@ from .moe_vanilla_transformer import (
 from .norms_vanilla_transformer import build_norm, has_final_norm
 from .packing_vanilla_transformer import PackedTokens, token_mask_of
 from .positions_vanilla_transformer import POSITION_EMBEDDINGS
-
-Stack = Literal["encoder", "decoder"]
 
 # The from_pretrained arguments that say where a checkpoint is, to read its config before choosing the class.
 HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder", "trust_remote_code")
@@ -92,10 +97,9 @@ class VanillaTransformerPreTrainedModel(PreTrainedModel):
     _supports_flex_attn = True
     _supports_attention_backend = True
     _can_compile_fullgraph = True
-    # Auto class -> "module.Class" that can load a checkpoint of this class; written into `config.auto_map`.
-    _auto_map: dict[str, str] = {}
-    # A head on one stack (decoder-only or encoder-only) cannot take an encoder-decoder checkpoint's weights.
-    _runs_one_stack = False
+    # Each `forward` is annotated with its dense output class: transformers reads the annotation to tell whether a
+    # class returns router logits, and one class serves dense and MoE configs. With experts the forward returns the
+    # MoE output class named beside the annotation.
 
     @classmethod
     def checkpoint_config(cls, pretrained_model_name_or_path, config, kwargs: dict) -> PreTrainedConfig:
@@ -107,8 +111,10 @@ class VanillaTransformerPreTrainedModel(PreTrainedModel):
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, config=None, **kwargs):
+        declared = HEADS.get(cls.__name__)
         if (
-            cls._runs_one_stack
+            declared is not None
+            and "encoder-decoder" not in declared.layouts
             and cls.checkpoint_config(pretrained_model_name_or_path, config, kwargs).is_encoder_decoder
         ):
             # Its weights sit under model.encoder / model.decoder, which a single-stack head's `model` does not have:
@@ -142,14 +148,17 @@ class VanillaTransformerPreTrainedModel(PreTrainedModel):
             if getattr(module, "bias", None) is not None:
                 init.zeros_(module.bias)
 
-    def _set_auto_map(self) -> None:
-        """Every saved checkpoint names, in `auto_map`, all the Auto classes that can load it, not only its own
-        (transformers writes only the saved class's entry)."""
-        self.config.auto_map = {
-            "AutoConfig": "configuration_vanilla_transformer.VanillaTransformerConfig",
-            "AutoModel": "modeling_vanilla_transformer.VanillaTransformerModel",  # dispatches on the config
-            **self._auto_map,
-        }
+    def save_pretrained(self, save_directory, *args, **kwargs) -> None:
+        # transformers writes the saved class's own Auto class into `auto_map` and copies its module (and the modules
+        # it imports); a checkpoint here also names every head that can load it (a causal LM's loads as a GPT-style
+        # classifier), so each of their modules is copied too.
+        self.config.auto_map = auto_map(self.config)
+        super().save_pretrained(save_directory, *args, **kwargs)
+        if self.is_remote_code():
+            for name in self.config.auto_map.values():
+                module, class_name = name.rsplit(".", 1)
+                head = getattr(importlib.import_module(f".{module}", __package__), class_name)
+                custom_object_save(head, save_directory)
 
     @classmethod
     def _can_set_experts_implementation(cls) -> bool:
@@ -253,7 +262,7 @@ class VanillaTransformerEncoder(VanillaTransformerStack):
         position_ids: torch.LongTensor | None = None,
         packed_tokens: PackedTokens | None = None,
         **kwargs: Unpack[TransformersKwargs],
-    ) -> MoeEncoderOutput:
+    ) -> BaseModelOutput:  # MoeEncoderOutput, which adds the router logits of its MoE layers
         r"""
         packed_tokens (`PackedTokens`, *optional*):
             The layout of the source tokens, when the caller has built it from `attention_mask` already (the
@@ -309,7 +318,7 @@ class VanillaTransformerDecoder(VanillaTransformerStack):
         token_mask: torch.Tensor | None = None,
         encoder_packed_tokens: PackedTokens | None = None,
         **kwargs: Unpack[TransformersKwargs],
-    ) -> MoeDecoderOutput:
+    ) -> BaseModelOutputWithPastAndCrossAttentions:  # MoeDecoderOutput, which adds the router logits
         r"""
         token_mask (`torch.Tensor` of shape `(batch_size, length)`, *optional*):
             The positions whose outputs the caller needs (default: the tokens of `attention_mask`); a head with
@@ -408,7 +417,6 @@ class VanillaTransformerModel(VanillaTransformerPreTrainedModel):
         # The stacks hold the shared embedding module itself, not a module tied to its weight: FSDP2 shards by
         # module, and a tied weight reachable from a second module would sit in two FSDP groups (torch rejects it).
         self.set_input_embeddings(self.shared)
-        self._set_auto_map()
         self.post_init()
 
     # `AutoModel` maps the config class to this one class; for a decoder-only or encoder-only checkpoint it must give
@@ -461,7 +469,7 @@ class VanillaTransformerModel(VanillaTransformerPreTrainedModel):
         use_cache: bool | None = None,
         decoder_token_mask: torch.Tensor | None = None,
         **kwargs: Unpack[TransformersKwargs],
-    ) -> Seq2SeqModelOutput | Seq2SeqMoEModelOutput:
+    ) -> Seq2SeqModelOutput:  # Seq2SeqMoEModelOutput with experts
         r"""
         decoder_token_mask (`torch.Tensor` of shape `(batch_size, target_length)`, *optional*):
             The decoder's `token_mask`: the target positions whose outputs are needed.

@@ -389,10 +389,49 @@ class RouterLosses:
         total = config.router_aux_loss_coef * sum(aux.values()) + config.router_z_loss_coef * sum(z.values())
         return cls(aux, z, total)
 
-    def output_fields(self, pattern: str) -> dict[str, torch.Tensor]:
-        """The losses under output field names, e.g. pattern "{stack}_{kind}_loss" -> encoder_aux_loss, ..."""
-        named = {"aux": self.aux, "z": self.z}
-        return {pattern.format(stack=s, kind=k): v for k, losses in named.items() for s, v in losses.items()}
+
+@dataclass
+class RouterRequest:
+    """What a head asks of the MoE routers in one forward: their losses (`compute`), which join the gradient through
+    the logits whenever one may be taken, so that a loss built from the logits alone still trains the routers;
+    whether the losses are returned (`report`); and whether the router logits are (`return_logits`)."""
+
+    compute: bool
+    report: bool
+    return_logits: bool
+
+    @classmethod
+    def of(cls, config: VanillaTransformerConfig, labels, output_router_logits: bool | None) -> "RouterRequest":
+        asked = config.output_router_logits if output_router_logits is None else output_router_logits
+        if config.num_experts == 0:
+            return cls(compute=False, report=False, return_logits=False)
+        # Mixtral's convention: the losses are returned with a loss or when asked for, so that outputs[0] is the
+        # logits whenever no loss is returned, in training as in inference.
+        report = asked or labels is not None
+        return cls(compute=report or torch.is_grad_enabled(), report=report, return_logits=asked)
+
+    def returned(self, router_logits: tuple[torch.Tensor, ...] | None, token_mask: torch.Tensor | None):
+        """The router logits to return (None unless asked for), one row per position (see
+        `router_logits_per_position`)."""
+        return router_logits_per_position(router_logits, token_mask) if self.return_logits else None
+
+    def losses(self, config: VanillaTransformerConfig, **stacks: tuple) -> RouterLosses | None:
+        """`stacks`: name -> (router logits of its MoE layers, the positions it routed, its padding mask), the masks
+        (batch, length) or None; None when not computed."""
+        if not self.compute:
+            return None
+        counted = {name: (logits, counted_router_rows(logits, *masks)) for name, (logits, *masks) in stacks.items()}
+        return RouterLosses.of_stacks(config, **counted)
+
+
+def with_router_gradient(logits: torch.Tensor, router_losses: RouterLosses | None) -> torch.Tensor:
+    """The logits, carrying the router losses into the gradient of any loss built from them (`attach_router_loss`)."""
+    return logits if router_losses is None else attach_router_loss(logits, router_losses.total)
+
+
+def with_router_value(loss: torch.Tensor | None, router_losses: RouterLosses | None) -> torch.Tensor | None:
+    """The reported loss plus the router losses, as a value only: their gradient already flows through the logits."""
+    return loss if loss is None or router_losses is None else loss + router_losses.total.detach()
 
 
 # ---------------------------------------------------------------------------------------------------- outputs
@@ -421,6 +460,9 @@ class MoeCausalLMOutput(MoeCausalLMOutputWithPast):
 
 __all__ = [
     "EXPERTS_FUNCTIONS",
+    "RouterRequest",
+    "with_router_gradient",
+    "with_router_value",
     "VanillaTransformerRouter",
     "VanillaTransformerSparseMoeBlock",
     "MoeEncoderOutput",

@@ -1,12 +1,11 @@
 """Normalisation layers and their placement around each sub-layer (the residual connection of §3.1)."""
 
 from collections.abc import Callable
-from typing import Literal
 
 import torch
 from torch import nn
 
-from .configuration_vanilla_transformer import VanillaTransformerConfig
+from .configuration_vanilla_transformer import Stack, VanillaTransformerConfig
 
 
 def build_norm(config: VanillaTransformerConfig) -> nn.Module:
@@ -16,7 +15,7 @@ def build_norm(config: VanillaTransformerConfig) -> nn.Module:
     return nn.LayerNorm(config.d_model, eps=config.norm_eps, bias=config.norm_bias)
 
 
-def deepnorm_constants(config: VanillaTransformerConfig, stack: Literal["encoder", "decoder"]) -> tuple[float, float]:
+def deepnorm_constants(config: VanillaTransformerConfig, stack: Stack) -> tuple[float, float]:
     """DeepNet (Wang et al. 2022, Figure 2 / Table 1) residual weight alpha and init gain beta.
 
     Encoder-decoder with N encoder and M decoder layers:
@@ -39,7 +38,7 @@ DEEPNORM_SCALED_MODULES = ("v_proj", "out_proj", "fc1", "fc2", "gate_proj", "up_
 
 
 def set_deepnorm_init_gains(
-    layer: nn.Module, config: VanillaTransformerConfig, stack: Literal["encoder", "decoder"]
+    layer: nn.Module, config: VanillaTransformerConfig, stack: Stack
 ) -> None:
     """Store the DeepNet init gain on each linear map and expert bank of `layer` as `deepnorm_gain`, for
     `_init_weights` to apply.

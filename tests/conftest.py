@@ -1,8 +1,13 @@
 import pytest
 import torch
+from huggingface_hub.errors import StrictDataclassError
 
 import hf_vanilla_transformer  # noqa: F401  (registers the Auto classes)
 from hf_vanilla_transformer import VanillaTransformerConfig
+
+# What a refused config raises: huggingface_hub's strict-dataclass errors for a field's type or range and for the rules
+# between fields (each names the field), ValueError for what transformers' base class or `__post_init__` refuses.
+CONFIG_ERRORS = (ValueError, StrictDataclassError)
 
 torch.set_num_threads(2)
 

@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from conftest import padded_batch, tiny_config
+from conftest import CONFIG_ERRORS, padded_batch, tiny_config
 from reference_copy import copy_into_torch_transformer, embed, torch_transformer_logits
 from transformers import (
     AutoConfig,
@@ -67,7 +67,7 @@ def test_presets_are_table_3(preset, expected):
     ids=lambda value: value if isinstance(value, str) else None,
 )
 def test_invalid_config_names_the_field(overrides, field):
-    with pytest.raises(ValueError, match=field):
+    with pytest.raises(CONFIG_ERRORS, match=field):
         tiny_config(**overrides)
 
 

@@ -168,7 +168,7 @@ def test_fsdp_export_reloads_as_the_trained_model(runs, request):
     computes what the single-process model computes."""
     fsdp_dir, single_dir = request.getfixturevalue(runs)
     config = json.loads((fsdp_dir / "config.json").read_text())
-    assert config["auto_map"]["AutoModelForSeq2SeqLM"].startswith("heads_vanilla_transformer.")
+    assert config["auto_map"]["AutoModelForSeq2SeqLM"].startswith("language_modeling_vanilla_transformer.")
     assert (fsdp_dir / "modeling_vanilla_transformer.py").exists()
     assert not list(fsdp_dir.glob("_fsdp*.py"))  # not torch's FSDP module taken for the model's code
     model, info = VanillaTransformerForConditionalGeneration.from_pretrained(fsdp_dir, output_loading_info=True)

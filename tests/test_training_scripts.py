@@ -74,7 +74,11 @@ def test_noam_schedule_follows_its_formula():
 
 def test_seq2seq_demo_end_to_end(seq2seq_run):
     files = {path.name for path in seq2seq_run.iterdir()}
-    code = {"configuration_vanilla_transformer.py", "modeling_vanilla_transformer.py", "heads_vanilla_transformer.py"}
+    code = {
+        "configuration_vanilla_transformer.py",
+        "modeling_vanilla_transformer.py",
+        "language_modeling_vanilla_transformer.py",
+    }
     assert {"model.safetensors", "tokenizer.json", "README.md", "training_curves.png", *code} <= files
     results = json.loads((seq2seq_run / "all_results.json").read_text())
     assert {"eval_bleu", "eval_chrf", "eval_loss", "train_loss"} <= results.keys()

@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         trainer,
         metrics,
         dataset_label,
-        dict(training_args=recipe, language=language, description=description, pipeline_tag="translation"),
+        dict(training_args=recipe, language=language, description=description),
     )
     if training_args.push_to_hub:
         trainer.push_to_hub()

@@ -1,66 +1,41 @@
-"""Heads on one stack, as GPT and BERT use the Transformer: a causal LM to pretrain a decoder, a masked LM to pretrain
-an encoder, and sequence classification, token classification and extractive question answering to fine-tune either.
+"""Classifier heads on one stack, as GPT and BERT fine-tune the Transformer: sequence classification, token
+classification and extractive question answering.
 
-Every head but the masked LM runs the stack its config names (`config.is_decoder`): the bidirectional encoder
-(BERT-style), or the causal decoder of a `VanillaTransformerForCausalLM` checkpoint (GPT-style), whose config says
-`is_decoder=True`. The stack is `self.model` either way, as in the LM heads, so every transformer weight of a
-pretrained masked-LM or causal-LM checkpoint loads under the same name and only the task's output layer is new.
+Each runs the stack its config names (`config.is_decoder`): the bidirectional encoder of a masked-LM checkpoint
+(BERT-style), or the causal decoder of a causal-LM checkpoint (GPT-style), whose config says `is_decoder=True`. The
+stack is `self.model` either way, as in the language-model heads, so every transformer weight of a pretrained
+checkpoint loads under the same name and only the task's output layer is new.
 """
-
-import dataclasses
 
 import torch
 from torch import nn
-from transformers.cache_utils import Cache
 from transformers.modeling_outputs import (
-    CausalLMOutputWithPast,
-    MaskedLMOutput,
     QuestionAnsweringModelOutput,
     SequenceClassifierOutput,
     TokenClassifierOutput,
 )
 from transformers.processing_utils import Unpack
-from transformers.utils import ModelOutput, TransformersKwargs, can_return_tuple
+from transformers.utils import TransformersKwargs, can_return_tuple
 
 from .configuration_vanilla_transformer import VanillaTransformerConfig
-from .generation_vanilla_transformer import VanillaTransformerGenerationMixin
-from .heads_vanilla_transformer import (
-    RouterRequest,
-    TokenPredictionHead,
-    TokenPredictions,
-    carried_over,
-    first_given,
-    with_router_gradient,
-    with_router_value,
-)
 from .inputs_vanilla_transformer import (
     IGNORE_INDEX,
     check_labels,
     check_sequence_classification_labels,
-    check_token_labels,
 )
 from .modeling_vanilla_transformer import (
     VanillaTransformerDecoder,
     VanillaTransformerEncoder,
     VanillaTransformerPreTrainedModel,
 )
-from .moe_vanilla_transformer import MoeCausalLMOutput, MoeEncoderOutput, RouterLosses
+from .moe_vanilla_transformer import (
+    MoeEncoderOutput,
+    RouterLosses,
+    RouterRequest,
+    with_router_gradient,
+    with_router_value,
+)
 from .packing_vanilla_transformer import token_mask_of
-
-MODULE = "task_heads_vanilla_transformer"
-# The Auto classes that can load a checkpoint of an encoder-only head: the encoder's weights serve them all.
-ENCODER_AUTO_MAP = {
-    "AutoModelForMaskedLM": f"{MODULE}.VanillaTransformerForMaskedLM",
-    "AutoModelForSequenceClassification": f"{MODULE}.VanillaTransformerForSequenceClassification",
-    "AutoModelForTokenClassification": f"{MODULE}.VanillaTransformerForTokenClassification",
-    "AutoModelForQuestionAnswering": f"{MODULE}.VanillaTransformerForQuestionAnswering",
-}
-# A causal LM's checkpoint and a classifier's on the causal decoder hold the same stack: each head loads the other's.
-DECODER_AUTO_MAP = {
-    "AutoModelForCausalLM": f"{MODULE}.VanillaTransformerForCausalLM",
-    "AutoModelForSequenceClassification": ENCODER_AUTO_MAP["AutoModelForSequenceClassification"],
-    "AutoModelForTokenClassification": ENCODER_AUTO_MAP["AutoModelForTokenClassification"],
-}
 
 
 def with_item_count(kwargs: dict, labels: torch.Tensor) -> dict:
@@ -98,15 +73,11 @@ class SingleStackTaskHead(VanillaTransformerPreTrainedModel):
     """What the task heads share: `self.model`, the encoder or the causal decoder that the config names, and one run
     of it that also returns the MoE router losses the head's loss must carry."""
 
-    _runs_one_stack = True
-
     def __init__(self, config: VanillaTransformerConfig):
         config = config.for_single_stack("decoder" if runs_causal_decoder(config) else "encoder")
         super().__init__(config)
         stack_class = VanillaTransformerDecoder if config.is_decoder else VanillaTransformerEncoder
         self.model = stack_class(config)
-        self._auto_map = DECODER_AUTO_MAP if config.is_decoder else ENCODER_AUTO_MAP
-        self._set_auto_map()
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.model.embed_tokens
@@ -142,137 +113,11 @@ class SingleStackTaskHead(VanillaTransformerPreTrainedModel):
         return outputs, router.losses(self.config, **{stack: (outputs.router_logits, padding_mask, padding_mask)})
 
 
-class VanillaTransformerForCausalLM(TokenPredictionHead, VanillaTransformerGenerationMixin):
-    """Decoder-only language model (GPT-style): the decoder stack without cross-attention, and a tied LM head."""
-
-    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
-    output_class = CausalLMOutputWithPast
-    moe_output_class = MoeCausalLMOutput
-    _auto_map = DECODER_AUTO_MAP
-    _runs_one_stack = True
-
-    def __init__(self, config: VanillaTransformerConfig):
-        config = config.for_single_stack("decoder")
-        super().__init__(config)
-        self.model = VanillaTransformerDecoder(config)
-        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=config.lm_head_bias)
-        # The head shifts the labels itself (`next_token_targets`), so the loss must not shift them again.
-        self.loss_type = "ForMaskedLM"
-        self._set_auto_map()
-        self.post_init()
-
-    @staticmethod
-    def next_token_targets(labels: torch.Tensor | None, shift_labels: torch.Tensor | None) -> torch.Tensor | None:
-        """The label each position predicts: position t predicts token t + 1 (or the caller's `shift_labels`)."""
-        if labels is None or shift_labels is not None:
-            return shift_labels
-        return nn.functional.pad(labels[:, 1:], (0, 1), value=-100)
-
-    @can_return_tuple
-    def forward(
-        self,
-        input_ids: torch.LongTensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-        labels: torch.LongTensor | None = None,
-        use_cache: bool | None = None,
-        logits_to_keep: int | torch.Tensor = 0,
-        output_router_logits: bool | None = None,
-        **kwargs: Unpack[TransformersKwargs],
-    ) -> CausalLMOutputWithPast | MoeCausalLMOutput:
-        r"""
-        labels (`torch.LongTensor` of shape `(batch_size, length)`, *optional*):
-            Usually `input_ids`; they are shifted inside the head, -100 where ignored. Labels already aligned with
-            the outputs may come as `shift_labels` instead (transformers' keyword; not a named argument, so that the
-            Trainer does not take it for a label column it requires).
-
-        With experts the output is a `MoeCausalLMOutput` (Mixtral's, plus `z_loss`); the weighted router losses are
-        already in the gradient of any loss built from `logits` (see `attach_router_loss`).
-        """
-        check_token_labels(labels, self.config.vocab_size, first_given(input_ids, inputs_embeds), "input_ids")
-        targets = self.next_token_targets(labels, kwargs.get("shift_labels"))
-        plan = self.plan(targets, attention_mask, logits_to_keep, output_router_logits)
-        outputs = self.model(
-            return_dict=True,  # the head reads fields; its own return_dict applies to its output
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=past_key_values,
-            inputs_embeds=inputs_embeds,
-            use_cache=use_cache,
-            token_mask=plan.token_mask,
-            output_router_logits=plan.router.compute,
-            **kwargs,
-        )
-        return self.predict(plan, outputs, logits_to_keep, **kwargs)
-
-
-class VanillaTransformerForMaskedLM(TokenPredictionHead):
-    """Encoder-only masked language model (BERT-style pretraining): the bidirectional encoder and a vocabulary
-    projection tied to its embedding (§3.4). Labels are -100 except at the masked positions
-    (`DataCollatorForLanguageModeling`)."""
-
-    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
-    _auto_map = ENCODER_AUTO_MAP
-    _runs_one_stack = True
-    output_class = MaskedLMOutput
-    predicting_stack = "encoder"
-
-    def __init__(self, config: VanillaTransformerConfig):
-        config = config.for_single_stack("encoder")
-        super().__init__(config)
-        self.model = VanillaTransformerEncoder(config)
-        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=config.lm_head_bias)
-        self._set_auto_map()
-        self.post_init()
-
-    def get_output_embeddings(self) -> nn.Linear:
-        return self.lm_head
-
-    def set_output_embeddings(self, new_embeddings: nn.Linear) -> None:
-        self.lm_head = new_embeddings
-
-    def plan(self, targets, attention_mask, logits_to_keep, output_router_logits) -> TokenPredictions:
-        # A masked position reads the tokens on both sides: the encoder computes every real token, not only those
-        # up to the last masked one as a causal decoder may.
-        plan = super().plan(targets, attention_mask, logits_to_keep, output_router_logits)
-        return dataclasses.replace(plan, token_mask=token_mask_of(attention_mask))
-
-    @can_return_tuple
-    def forward(
-        self,
-        input_ids: torch.LongTensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-        labels: torch.LongTensor | None = None,
-        logits_to_keep: int | torch.Tensor = 0,
-        output_router_logits: bool | None = None,
-        **kwargs: Unpack[TransformersKwargs],
-    ) -> MaskedLMOutput:
-        r"""
-        labels (`torch.LongTensor` of shape `(batch_size, length)`, *optional*):
-            The original token at each masked position, -100 elsewhere.
-        """
-        check_token_labels(labels, self.config.vocab_size, first_given(input_ids, inputs_embeds), "input_ids")
-        plan = self.plan(labels, attention_mask, logits_to_keep, output_router_logits)
-        outputs = self.model(
-            return_dict=True,  # the head reads fields; its own return_dict applies to its output
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            inputs_embeds=inputs_embeds,
-            output_router_logits=plan.router.compute,
-            **kwargs,
-        )
-        return self.predict(plan, outputs, logits_to_keep, **kwargs)
-
-
 class ClassifierHead(SingleStackTaskHead):
     """A linear classifier on the stack's states, after dropout: `classified_states` says which states (each token's,
     or one vector per sequence), `classification_loss` which loss; the subclass returns `output_class`."""
 
-    output_class: type[ModelOutput]
+    output_class: type[SequenceClassifierOutput | TokenClassifierOutput]
 
     def __init__(self, config: VanillaTransformerConfig):
         super().__init__(config)
@@ -302,7 +147,12 @@ class ClassifierHead(SingleStackTaskHead):
         states = self.classified_states(outputs.last_hidden_state, attention_mask, input_ids)
         logits = with_router_gradient(self.classifier(self.dropout(states)), router_losses)
         loss = None if labels is None else self.classification_loss(logits, labels, **kwargs)
-        return carried_over(self.output_class, outputs, loss=with_router_value(loss, router_losses), logits=logits)
+        return self.output_class(
+            loss=with_router_value(loss, router_losses),
+            logits=logits,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
 
 
 class VanillaTransformerForSequenceClassification(ClassifierHead):
@@ -387,18 +237,16 @@ class VanillaTransformerForQuestionAnswering(SingleStackTaskHead):
         loss = None
         if labels is not None:
             loss = self.loss_function(start_logits, end_logits, start_positions, end_positions, **kwargs)
-        return carried_over(
-            QuestionAnsweringModelOutput,
-            outputs,
+        return QuestionAnsweringModelOutput(
             loss=with_router_value(loss, router_losses),
             start_logits=start_logits,
             end_logits=end_logits,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
         )
 
 
 __all__ = [
-    "VanillaTransformerForCausalLM",
-    "VanillaTransformerForMaskedLM",
     "VanillaTransformerForSequenceClassification",
     "VanillaTransformerForTokenClassification",
     "VanillaTransformerForQuestionAnswering",

@@ -1,0 +1,380 @@
+"""The language-model heads: the translation model (encoder-decoder), the causal LM (GPT-style pretraining of a
+decoder) and the masked LM (BERT-style pretraining of an encoder), each with the pre-softmax projection tied to its
+embedding (§3.4).
+
+Each `forward` reads as Mixtral's: the model, `lm_head`, `loss_function`, and with experts the router losses. Two
+things are added for padded batches (packing_vanilla_transformer): with labels, the stack computes only the positions
+the loss reads (`positions_to_compute`), and in training the vocabulary projection and the loss run on the scored
+positions only (`scored_positions`). A dense model returns before any router code.
+"""
+
+import torch
+from torch import nn
+from transformers.cache_utils import Cache
+from transformers.modeling_outputs import (
+    BaseModelOutput,
+    CausalLMOutputWithPast,
+    MaskedLMOutput,
+    Seq2SeqLMOutput,
+    Seq2SeqMoEOutput,
+)
+from transformers.modeling_utils import slice_logits_to_keep
+from transformers.models.bart.modeling_bart import shift_tokens_right
+from transformers.processing_utils import Unpack
+from transformers.utils import TransformersKwargs, can_return_tuple
+
+from .configuration_vanilla_transformer import VanillaTransformerConfig
+from .generation_vanilla_transformer import VanillaTransformerGenerationMixin
+from .inputs_vanilla_transformer import IGNORE_INDEX, check_can_shift_labels, check_token_labels
+from .modeling_vanilla_transformer import (
+    VanillaTransformerDecoder,
+    VanillaTransformerEncoder,
+    VanillaTransformerModel,
+    VanillaTransformerPreTrainedModel,
+)
+from .moe_vanilla_transformer import MoeCausalLMOutput, RouterRequest, with_router_gradient, with_router_value
+from .packing_vanilla_transformer import PackedTokens, positions_the_loss_needs, token_mask_of
+
+
+def first_given(*tensors: torch.Tensor | None) -> torch.Tensor | None:
+    return next((tensor for tensor in tensors if tensor is not None), None)
+
+
+def current_tokens(attention_mask: torch.Tensor | None, length: int) -> torch.Tensor | None:
+    """The tokens among the last `length` columns of a padding mask: the positions of this forward (the mask of a
+    decoding step also covers the cache)."""
+    padding_mask = token_mask_of(attention_mask)
+    return None if padding_mask is None else padding_mask[:, -length:]
+
+
+def positions_to_compute(targets: torch.Tensor | None, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """The positions a causal stack must compute for a loss over `targets`: those the loss reads and the real tokens
+    before them; None without targets (every token of the attention mask)."""
+    if targets is None:
+        return None
+    return positions_the_loss_needs(targets != IGNORE_INDEX, token_mask_of(attention_mask))
+
+
+def require_encoder_decoder(config: VanillaTransformerConfig) -> None:
+    """The encoder-decoder head needs an encoder-decoder config: a decoder-only or encoder-only checkpoint would load
+    into a model without cross-attention (or without its weights) and fail later, or silently be random."""
+    if not config.is_encoder_decoder:
+        auto_class, head = (
+            ("AutoModelForCausalLM", "VanillaTransformerForCausalLM")
+            if config.is_decoder
+            else ("AutoModelForSequenceClassification", "VanillaTransformerForSequenceClassification")
+        )
+        raise ValueError(
+            f"This config is {'decoder' if config.is_decoder else 'encoder'}-only (is_encoder_decoder=False, "
+            f"is_decoder={config.is_decoder}): an encoder-decoder head cannot run it. Load it with {auto_class} "
+            f"({head}), or set is_encoder_decoder=True for a new encoder-decoder model."
+        )
+
+
+class LanguageModelingHead(VanillaTransformerPreTrainedModel):
+    """What the language-model heads share: `lm_head` over the positions a forward scores, and the token loss."""
+
+    def scored_positions(self, targets: torch.Tensor | None, logits_to_keep: int | torch.Tensor) -> PackedTokens | None:
+        """In training with `config.padding_free`, where the loss ignores some positions, the layout of those it
+        reads: the only logits a training step needs (the others are returned as 0). None otherwise."""
+        keeps_all = isinstance(logits_to_keep, int) and logits_to_keep == 0
+        if targets is None or not (self.training and self.config.padding_free and keeps_all):
+            return None
+        return PackedTokens.of(targets != IGNORE_INDEX)
+
+    def token_logits(
+        self, hidden_states: torch.Tensor, scored: PackedTokens | None, logits_to_keep: int | torch.Tensor
+    ) -> torch.Tensor:
+        if scored is not None:
+            return self.lm_head(scored.pack(hidden_states))
+        return self.lm_head(slice_logits_to_keep(hidden_states, logits_to_keep))
+
+    def token_loss(
+        self, logits: torch.Tensor, targets: torch.Tensor | None, scored: PackedTokens | None, **kwargs
+    ) -> torch.Tensor | None:
+        """transformers' loss over the targets of the scored logits. Summed over tokens and divided by
+        `num_items_in_batch` when the Trainer passes it: exact under gradient accumulation, unlike a per-batch mean.
+        Otherwise divided by the counted tokens, at least 1, so that a batch whose labels are all ignored has loss 0
+        rather than the NaN of an empty mean."""
+        if targets is None:
+            return None
+        targets = targets.contiguous() if scored is None else scored.pack(targets)  # the loss flattens with view()
+        if kwargs.get("num_items_in_batch") is None:
+            kwargs["num_items_in_batch"] = (targets != IGNORE_INDEX).sum().clamp(min=1)
+        return self.loss_function(logits, targets, vocab_size=self.config.vocab_size, **kwargs)
+
+
+def padded(logits: torch.Tensor, scored: PackedTokens | None) -> torch.Tensor:
+    """The logits in the (batch, length, vocab) layout, 0 at the positions that were not scored."""
+    return logits if scored is None else scored.unpack(logits)
+
+
+class VanillaTransformerForConditionalGeneration(LanguageModelingHead, VanillaTransformerGenerationMixin):
+    """Encoder-decoder with the pre-softmax projection tied to the shared embedding (§3.4): the translation model.
+
+    Beam search can rank hypotheses with the paper's GNMT length penalty: `generate(..., length_penalty_type="gnmt")`.
+    """
+
+    _tied_weights_keys = {"lm_head.weight": "model.shared.weight"}
+
+    def __init__(self, config: VanillaTransformerConfig):
+        require_encoder_decoder(config)
+        super().__init__(config)
+        self.model = VanillaTransformerModel(config)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=config.lm_head_bias)
+        # Labels are aligned with the decoder outputs already; the class-name default (ForCausalLM) would shift them.
+        self.loss_type = "ForMaskedLM"
+        self.post_init()
+
+    def resize_token_embeddings(self, new_num_tokens=None, pad_to_multiple_of=None, mean_resizing=True) -> nn.Embedding:
+        embeddings = super().resize_token_embeddings(new_num_tokens, pad_to_multiple_of, mean_resizing)
+        bias = self.lm_head.bias
+        if bias is not None and bias.shape[0] != embeddings.num_embeddings:  # a tied head keeps its old bias
+            new_bias = bias.new_zeros(embeddings.num_embeddings)
+            kept = min(bias.shape[0], new_bias.shape[0])
+            new_bias[:kept] = bias.data[:kept]
+            self.lm_head.bias = nn.Parameter(new_bias)
+        return embeddings
+
+    def prepare_decoder_input_ids_from_labels(self, labels: torch.Tensor) -> torch.Tensor:
+        check_can_shift_labels(self.config.pad_token_id, self.config.decoder_start_token_id)
+        return shift_tokens_right(labels, self.config.pad_token_id, self.config.decoder_start_token_id)
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        decoder_input_ids: torch.LongTensor | None = None,
+        decoder_attention_mask: torch.Tensor | None = None,
+        encoder_outputs: BaseModelOutput | tuple | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        decoder_inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        output_router_logits: bool | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> Seq2SeqLMOutput:  # Seq2SeqMoEOutput with experts
+        r"""
+        labels (`torch.LongTensor` of shape `(batch_size, target_length)`, *optional*):
+            Target token ids, -100 where ignored. Without `decoder_input_ids` the decoder input is `labels` shifted
+            right behind `decoder_start_token_id` (teacher forcing).
+
+        With experts (`num_experts > 0`) the output is a `Seq2SeqMoEOutput` with per-stack balancing and z-losses;
+        their weighted sum is already in the gradient of any loss built from `logits` (see `attach_router_loss`).
+        """
+        decoder_inputs = first_given(decoder_input_ids, decoder_inputs_embeds)
+        check_token_labels(labels, self.config.vocab_size, decoder_inputs, "decoder_input_ids")
+        if labels is not None and decoder_inputs is None:
+            decoder_input_ids = self.prepare_decoder_input_ids_from_labels(labels)
+        router = RouterRequest.of(self.config, labels, output_router_logits)
+        decoder_token_mask = positions_to_compute(labels, decoder_attention_mask)
+        outputs = self.model(
+            input_ids,
+            return_dict=True,  # the head reads fields; its own return_dict applies to its output
+            attention_mask=attention_mask,
+            decoder_input_ids=decoder_input_ids,
+            decoder_attention_mask=decoder_attention_mask,
+            encoder_outputs=encoder_outputs,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            decoder_inputs_embeds=decoder_inputs_embeds,
+            use_cache=use_cache,
+            decoder_token_mask=decoder_token_mask,
+            output_router_logits=router.compute,
+            **kwargs,
+        )
+        scored = self.scored_positions(labels, logits_to_keep)
+        logits = self.token_logits(outputs.last_hidden_state, scored, logits_to_keep)
+        model_outputs = dict(
+            past_key_values=outputs.past_key_values,
+            decoder_hidden_states=outputs.decoder_hidden_states,
+            decoder_attentions=outputs.decoder_attentions,
+            cross_attentions=outputs.cross_attentions,
+            encoder_last_hidden_state=outputs.encoder_last_hidden_state,
+            encoder_hidden_states=outputs.encoder_hidden_states,
+            encoder_attentions=outputs.encoder_attentions,
+        )
+        if self.config.num_experts == 0:
+            loss = self.token_loss(logits, labels, scored, **kwargs)
+            return Seq2SeqLMOutput(loss=loss, logits=padded(logits, scored), **model_outputs)
+
+        # Mixture of Experts: the router losses of both stacks, counted over the positions each routed, join the
+        # gradient through the logits, so that a loss built from them alone (the Trainer's label smoothing) trains
+        # the routers too.
+        source_tokens = token_mask_of(attention_mask)
+        target_tokens = current_tokens(decoder_attention_mask, outputs.last_hidden_state.shape[1])
+        decoder_routed = target_tokens if decoder_token_mask is None else decoder_token_mask
+        router_losses = router.losses(
+            self.config,
+            encoder=(outputs.encoder_router_logits, source_tokens, source_tokens),
+            decoder=(outputs.decoder_router_logits, decoder_routed, target_tokens),
+        )
+        logits = with_router_gradient(logits, router_losses)
+        loss = self.token_loss(logits, labels, scored, **kwargs)
+        aux, z = (router_losses.aux, router_losses.z) if router.report else ({}, {})
+        return Seq2SeqMoEOutput(
+            loss=with_router_value(loss, router_losses),
+            logits=padded(logits, scored),
+            encoder_router_logits=router.returned(outputs.encoder_router_logits, source_tokens),
+            decoder_router_logits=router.returned(outputs.decoder_router_logits, decoder_routed),
+            encoder_aux_loss=aux.get("encoder"),
+            decoder_aux_loss=aux.get("decoder"),
+            encoder_z_loss=z.get("encoder"),
+            decoder_z_loss=z.get("decoder"),
+            **model_outputs,
+        )
+
+
+class VanillaTransformerForCausalLM(LanguageModelingHead, VanillaTransformerGenerationMixin):
+    """Decoder-only language model (GPT-style): the decoder stack without cross-attention, and a tied LM head."""
+
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: VanillaTransformerConfig):
+        config = config.for_single_stack("decoder")
+        super().__init__(config)
+        self.model = VanillaTransformerDecoder(config)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=config.lm_head_bias)
+        # The head shifts the labels itself (`next_token_targets`), so the loss must not shift them again.
+        self.loss_type = "ForMaskedLM"
+        self.post_init()
+
+    @staticmethod
+    def next_token_targets(labels: torch.Tensor | None, shift_labels: torch.Tensor | None) -> torch.Tensor | None:
+        """The label each position predicts: position t predicts token t + 1 (or the caller's `shift_labels`)."""
+        if labels is None or shift_labels is not None:
+            return shift_labels
+        return nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        output_router_logits: bool | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> CausalLMOutputWithPast:  # MoeCausalLMOutput with experts
+        r"""
+        labels (`torch.LongTensor` of shape `(batch_size, length)`, *optional*):
+            Usually `input_ids`; they are shifted inside the head, -100 where ignored. Labels already aligned with
+            the outputs may come as `shift_labels` instead (transformers' keyword; not a named argument, so that the
+            Trainer does not take it for a label column it requires).
+
+        With experts the output is a `MoeCausalLMOutput` (Mixtral's, plus `z_loss`); the weighted router losses are
+        already in the gradient of any loss built from `logits` (see `attach_router_loss`).
+        """
+        check_token_labels(labels, self.config.vocab_size, first_given(input_ids, inputs_embeds), "input_ids")
+        targets = self.next_token_targets(labels, kwargs.get("shift_labels"))
+        router = RouterRequest.of(self.config, targets, output_router_logits)
+        token_mask = positions_to_compute(targets, attention_mask)
+        outputs = self.model(
+            return_dict=True,  # the head reads fields; its own return_dict applies to its output
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            token_mask=token_mask,
+            output_router_logits=router.compute,
+            **kwargs,
+        )
+        scored = self.scored_positions(targets, logits_to_keep)
+        logits = self.token_logits(outputs.last_hidden_state, scored, logits_to_keep)
+        model_outputs = dict(
+            past_key_values=outputs.past_key_values, hidden_states=outputs.hidden_states, attentions=outputs.attentions
+        )
+        if self.config.num_experts == 0:
+            loss = self.token_loss(logits, targets, scored, **kwargs)
+            return CausalLMOutputWithPast(loss=loss, logits=padded(logits, scored), **model_outputs)
+
+        # Mixture of Experts: see VanillaTransformerForConditionalGeneration.
+        tokens = current_tokens(attention_mask, outputs.last_hidden_state.shape[1])
+        routed = tokens if token_mask is None else token_mask
+        router_losses = router.losses(self.config, decoder=(outputs.router_logits, routed, tokens))
+        logits = with_router_gradient(logits, router_losses)
+        loss = self.token_loss(logits, targets, scored, **kwargs)
+        return MoeCausalLMOutput(
+            loss=with_router_value(loss, router_losses),
+            logits=padded(logits, scored),
+            router_logits=router.returned(outputs.router_logits, routed),
+            aux_loss=router_losses.aux["decoder"] if router.report else None,
+            z_loss=router_losses.z["decoder"] if router.report else None,
+            **model_outputs,
+        )
+
+
+class VanillaTransformerForMaskedLM(LanguageModelingHead):
+    """Encoder-only masked language model (BERT-style pretraining): the bidirectional encoder and a vocabulary
+    projection tied to its embedding (§3.4). Labels are -100 except at the masked positions
+    (`DataCollatorForLanguageModeling`)."""
+
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: VanillaTransformerConfig):
+        config = config.for_single_stack("encoder")
+        super().__init__(config)
+        self.model = VanillaTransformerEncoder(config)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=config.lm_head_bias)
+        self.post_init()
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def set_output_embeddings(self, new_embeddings: nn.Linear) -> None:
+        self.lm_head = new_embeddings
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        output_router_logits: bool | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> MaskedLMOutput:
+        r"""
+        labels (`torch.LongTensor` of shape `(batch_size, length)`, *optional*):
+            The original token at each masked position, -100 elsewhere.
+        """
+        check_token_labels(labels, self.config.vocab_size, first_given(input_ids, inputs_embeds), "input_ids")
+        router = RouterRequest.of(self.config, labels, output_router_logits)
+        # A masked position reads the tokens on both sides: the encoder computes every real token.
+        outputs = self.model(
+            return_dict=True,  # the head reads fields; its own return_dict applies to its output
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            inputs_embeds=inputs_embeds,
+            output_router_logits=router.compute,
+            **kwargs,
+        )
+        scored = self.scored_positions(labels, logits_to_keep)
+        logits = self.token_logits(outputs.last_hidden_state, scored, logits_to_keep)
+        if self.config.num_experts:  # the router losses join the gradient (see the seq2seq head); not reported here
+            tokens = token_mask_of(attention_mask)
+            router_losses = router.losses(self.config, encoder=(outputs.router_logits, tokens, tokens))
+            logits = with_router_gradient(logits, router_losses)
+        loss = self.token_loss(logits, labels, scored, **kwargs)
+        if self.config.num_experts:
+            loss = with_router_value(loss, router_losses)
+        return MaskedLMOutput(
+            loss=loss, logits=padded(logits, scored), hidden_states=outputs.hidden_states, attentions=outputs.attentions
+        )
+
+
+__all__ = [
+    "VanillaTransformerForConditionalGeneration",
+    "VanillaTransformerForCausalLM",
+    "VanillaTransformerForMaskedLM",
+]

@@ -1,0 +1,102 @@
+"""One declaration per head (auto_vanilla_transformer.HEADS): registration, every checkpoint's auto_map and the
+model card derive from it; and what the heads' signatures tell transformers."""
+
+import dataclasses
+import importlib
+import json
+import typing
+
+import pytest
+import torch
+import transformers
+from conftest import tiny_config
+from transformers.pipelines import get_supported_tasks
+
+import hf_vanilla_transformer
+from hf_vanilla_transformer import VanillaTransformerConfig, build_model_card
+from hf_vanilla_transformer.auto_vanilla_transformer import HEADS, auto_map, layout_of
+from hf_vanilla_transformer.modeling_vanilla_transformer import VanillaTransformerDecoder, VanillaTransformerEncoder
+
+LAYOUTS = {
+    "encoder-decoder": {},
+    "decoder-only": dict(is_encoder_decoder=False, is_decoder=True),
+    "encoder-only": dict(is_encoder_decoder=False, is_decoder=False),
+}
+
+
+def declared_class(name: str) -> type:
+    return getattr(importlib.import_module(f"hf_vanilla_transformer.{HEADS[name].module}"), name)
+
+
+@pytest.mark.parametrize("name", list(HEADS))
+def test_every_declared_class_is_public_and_registered_with_its_auto_class(name):
+    head = declared_class(name)
+    assert getattr(hf_vanilla_transformer, name) is head and name in hf_vanilla_transformer.__all__
+    auto_class = getattr(transformers, HEADS[name].auto_class)
+    assert auto_class._model_mapping[VanillaTransformerConfig] is head
+    assert head._auto_class == HEADS[name].auto_class
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_checkpoint_names_every_head_that_can_load_it_and_carries_its_code(tmp_path, layout):
+    torch.manual_seed(0)
+    config = tiny_config(**LAYOUTS[layout])
+    loaders = [name for name, head in HEADS.items() if layout in head.layouts and name != "VanillaTransformerModel"]
+    saved = declared_class(loaders[0])(config)
+    saved.save_pretrained(tmp_path)
+    written = json.loads((tmp_path / "config.json").read_text())["auto_map"]
+    assert written == auto_map(saved.config)
+    assert {HEADS[name].auto_class for name in loaders} | {"AutoConfig", "AutoModel"} == set(written)
+    for reference in written.values():
+        module, class_name = reference.split(".")
+        assert f"class {class_name}(" in (tmp_path / f"{module}.py").read_text()
+    for name in loaders:  # each of them loads the checkpoint (the single-stack heads: its stack, a new output layer)
+        loaded = getattr(transformers, HEADS[name].auto_class).from_pretrained(tmp_path)
+        assert type(loaded) is declared_class(name) and layout_of(loaded.config) == layout
+
+
+@pytest.mark.parametrize("name", list(HEADS))
+def test_model_card_tags_are_tasks_transformers_has_a_pipeline_for(name):
+    head = HEADS[name]
+    assert head.pipeline_tag is None or head.pipeline_tag in get_supported_tasks()
+    config = tiny_config(**LAYOUTS[head.layouts[0]], architectures=[name])
+    card = build_model_card(config)
+    assert card.data.pipeline_tag == head.pipeline_tag
+    assert f"{head.auto_class}.from_pretrained(" in card.text and head.usage.splitlines()[0] in card.text
+
+
+def output_fields(head: type) -> set[str]:
+    """The fields of the output class(es) a head's `forward` is annotated to return."""
+    annotation = typing.get_type_hints(head.forward)["return"]
+    classes = typing.get_args(annotation) or (annotation,)
+    return {field.name for output in classes for field in dataclasses.fields(output)}
+
+
+@pytest.mark.parametrize(
+    "model_class",
+    [*map(declared_class, HEADS), VanillaTransformerEncoder, VanillaTransformerDecoder],  # and the single-stack bases
+    ids=lambda model_class: model_class.__name__,
+)
+def test_models_are_annotated_with_their_dense_outputs(model_class):
+    # transformers reads the annotation to tell whether a class returns router logits; one class serves dense and
+    # MoE configs, so it must not promise them to a dense model.
+    assert not {"router_logits", "encoder_router_logits", "decoder_router_logits"} & output_fields(model_class)
+
+
+@pytest.mark.parametrize("layout", ["encoder-decoder", "decoder-only"])
+def test_router_logits_follow_the_config_and_an_explicit_argument_wins(layout):
+    torch.manual_seed(0)
+    name = "VanillaTransformerForConditionalGeneration" if layout == "encoder-decoder" else "VanillaTransformerForCausalLM"
+    head = declared_class(name)
+    model = head(tiny_config(**LAYOUTS[layout], num_experts=4, num_experts_per_tok=2)).eval()
+    field = "decoder_router_logits" if layout == "encoder-decoder" else "router_logits"
+    inputs = dict(input_ids=torch.randint(3, 64, (2, 5)))
+    if layout == "encoder-decoder":
+        inputs["decoder_input_ids"] = torch.randint(3, 64, (2, 4))
+    with torch.no_grad():
+        assert not getattr(model(**inputs), field)
+        model.config.output_router_logits = True
+        assert len(getattr(model(**inputs), field)) == model.config.decoder_layers
+        assert not getattr(model(**inputs, output_router_logits=False), field)
+    dense = head(tiny_config(**LAYOUTS[layout]))
+    assert not hasattr(dense(**inputs), field)  # a dense model returns the dense output class

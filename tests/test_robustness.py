@@ -186,7 +186,15 @@ def test_every_valid_config_and_head_saves_and_loads_exactly(fields, data):
         if head is VanillaTransformerForConditionalGeneration:
             inputs["decoder_input_ids"] = ids
         with torch.no_grad():
-            assert torch.equal(model(**inputs, return_dict=True).logits, loaded(**inputs, return_dict=True).logits)
+            # The weights are bit-identical (above); the outputs agree to float32 rounding only, because the loaded
+            # tensors sit at the offsets of the safetensors file (not 64-byte aligned), where the vectorised kernels
+            # may split a dot product differently (2.4e-7 seen on a d_model=4 seq2seq).
+            torch.testing.assert_close(
+                model(**inputs, return_dict=True).logits,
+                loaded(**inputs, return_dict=True).logits,
+                rtol=1e-6,
+                atol=1e-6,
+            )
 
 
 # ---------------------------------------------------------------- 2: every bad input is refused

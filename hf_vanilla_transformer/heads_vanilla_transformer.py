@@ -265,6 +265,7 @@ class VanillaTransformerForConditionalGeneration(TokenPredictionHead, VanillaTra
     """
 
     _tied_weights_keys = {"lm_head.weight": "model.shared.weight"}
+    _tp_plan = {"lm_head": "colwise_gather_output"}  # vocabulary-parallel, logits gathered on every rank
     output_class = Seq2SeqLMOutput
     moe_output_class = Seq2SeqMoEOutput
     _auto_map = {"AutoModelForSeq2SeqLM": "heads_vanilla_transformer.VanillaTransformerForConditionalGeneration"}

@@ -146,6 +146,8 @@ class VanillaTransformerForCausalLM(TokenPredictionHead, VanillaTransformerGener
     """Decoder-only language model (GPT-style): the decoder stack without cross-attention, and a tied LM head."""
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _tp_plan = {"lm_head": "colwise_gather_output"}  # vocabulary-parallel, logits gathered on every rank
+    _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
     output_class = CausalLMOutputWithPast
     moe_output_class = MoeCausalLMOutput
     _auto_map = DECODER_AUTO_MAP
@@ -215,6 +217,7 @@ class VanillaTransformerForMaskedLM(TokenPredictionHead):
     (`DataCollatorForLanguageModeling`)."""
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _tp_plan = {"lm_head": "colwise_gather_output"}  # vocabulary-parallel, logits gathered on every rank
     _auto_map = ENCODER_AUTO_MAP
     _runs_one_stack = True
     output_class = MaskedLMOutput

@@ -176,8 +176,8 @@ class VanillaTransformerPreTrainedModel(PreTrainedModel):
 
     @classmethod
     def maybe_distribute_model(cls, model, distributed_config, mesh_manager):
-        if distributed_config is not None and distributed_config.pp_size > 1:
-            check_pipeline_parallel(model)
+        if distributed_config is not None:
+            check_parallelism(model, distributed_config)
         return super().maybe_distribute_model(model, distributed_config, mesh_manager)
 
     @classmethod
@@ -187,11 +187,21 @@ class VanillaTransformerPreTrainedModel(PreTrainedModel):
         return True
 
 
-def check_pipeline_parallel(model: VanillaTransformerPreTrainedModel) -> None:
-    """Refuse, before any weight is read, a model that transformers' pipeline engine cannot run. The engine
-    (transformers 5.23) splits `model.layers` of a decoder-only language model into consecutive slices, one per rank,
-    each later rank receiving the hidden states of the one before, and returns logits only (no loss)."""
-    if not type(model)._pp_plan:
+def check_parallelism(model: VanillaTransformerPreTrainedModel, distributed_config) -> None:
+    """Refuse, before any weight is read, what transformers' distributed engine cannot shard (transformers 5.23).
+    Tensor parallelism gives each rank whole attention heads and whole K/V head groups. The pipeline engine splits
+    `model.layers` of a decoder-only language model into consecutive slices, one per rank, and returns logits only."""
+    config, tp_size = model.config, distributed_config.tp_size
+    for stack in config.stacks if tp_size > 1 else ():
+        heads = getattr(config, f"{stack}_attention_heads")
+        counts = {f"{stack}_attention_heads": heads, "num_key_value_heads": config.key_value_heads(heads)}
+        for name, count in counts.items():
+            if count % tp_size:
+                raise ValueError(
+                    f"tp_size={tp_size} does not divide {name}={count}: tensor parallelism gives each rank whole "
+                    "attention heads (and whole groups of query heads sharing a key/value head)."
+                )
+    if distributed_config.pp_size > 1 and not type(model)._pp_plan:
         raise ValueError(
             f"pp_size > 1 (pipeline parallelism) is not supported for {type(model).__name__}: transformers' pipeline "
             "engine runs decoder-only language models (VanillaTransformerForCausalLM), not an encoder, an "

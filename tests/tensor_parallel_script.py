@@ -51,7 +51,7 @@ class Case:
 
 
 CASES = {
-    "seq2seq_paper": Case(VanillaTransformerForConditionalGeneration, {}),
+    "seq2seq_paper": Case(VanillaTransformerForConditionalGeneration, {}, dict(tp_plan="auto")),  # tp_size: all ranks
     "seq2seq_modern": Case(VanillaTransformerForConditionalGeneration, dict(MODERN, use_bias=False)),
     # A vocabulary the two ranks cannot split evenly, as most tokenizers' are.
     "causal_lm": Case(VanillaTransformerForCausalLM, dict(MODERN, **DECODER_ONLY, vocab_size=61)),
@@ -66,7 +66,14 @@ CASES = {
 # the embeddings and a final norm, the two things the rank after the first must not apply again); the other heads are
 # refused at load time.
 PIPELINE_CASE = Case(VanillaTransformerForCausalLM, dict(DECODER_ONLY, norm_position="pre"), dict(pp_size=2))
-REFUSED_PIPELINE_CASES = ("seq2seq_paper", "masked_lm")
+# Checkpoints the engine cannot shard as asked: name -> (checkpoint, DistributedConfig, what the error must say).
+MQA_CASE = Case(VanillaTransformerForCausalLM, dict(DECODER_ONLY, num_key_value_heads=1))  # one K/V head for all
+REFUSED = {
+    "pipeline_seq2seq": ("seq2seq_paper", dict(pp_size=2), "not supported for VanillaTransformerForConditionalGen"),
+    "pipeline_masked_lm": ("masked_lm", dict(pp_size=2), "not supported for VanillaTransformerForMaskedLM"),
+    "tensor_mqa": ("mqa", dict(tp_size=2), "tp_size=2 does not divide num_key_value_heads=1"),
+}
+CHECKPOINTS = {**CASES, "pipeline": PIPELINE_CASE, "mqa": MQA_CASE}
 
 # The training script: a new tiny modern model with its tokenizer (written by the test to <root>/script_model), then
 # fine-tuned from there for a few steps, on two tensor-parallel ranks and in one process.
@@ -160,13 +167,20 @@ def pipeline_results(root: Path) -> dict:
     for name, beams in (("greedy", 1), ("beam", 3)):
         expected, actual = whole.generate(**prompts, num_beams=beams), staged.generate(**prompts, num_beams=beams)
         result[f"{name}_tokens_equal"] = torch.equal(expected, actual)
-    for name in REFUSED_PIPELINE_CASES:
-        try:
-            CASES[name].head.from_pretrained(root / name, distributed_config=DistributedConfig(pp_size=2))
-            result[f"refused_{name}"] = None
-        except ValueError as error:
-            result[f"refused_{name}"] = str(error)
     return result
+
+
+def refusals(root: Path) -> dict[str, str | None]:
+    """The error each refused load raises (None: it loaded)."""
+    errors = {}
+    for name, (checkpoint, parallel, _) in REFUSED.items():
+        try:
+            head = CHECKPOINTS[checkpoint].head
+            head.from_pretrained(root / checkpoint, distributed_config=DistributedConfig(**parallel))
+            errors[name] = None
+        except ValueError as error:
+            errors[name] = str(error)
+    return errors
 
 
 def main(root: Path) -> None:
@@ -176,6 +190,7 @@ def main(root: Path) -> None:
         sharded = case.head.from_pretrained(root / name, distributed_config=DistributedConfig(**case.parallel))
         results[name] = compare(case, whole, sharded)
     results["pipeline"] = pipeline_results(root)
+    results["refused"] = refusals(root)
     fine_tuning = [*FINE_TUNING, "--model_name_or_path", str(root / "script_model"), "--tp_size", "2"]
     train_seq2seq.main([*fine_tuning, "--output_dir", str(root / "fine_tuned_tp")])
     if dist.get_rank() == 0:

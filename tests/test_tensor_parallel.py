@@ -26,9 +26,9 @@ import torch
 from safetensors.torch import load_file
 from tensor_parallel_script import (
     CASES,
+    CHECKPOINTS,
     FINE_TUNING,
-    PIPELINE_CASE,
-    REFUSED_PIPELINE_CASES,
+    REFUSED,
     SCRIPT_DATA,
     SCRIPT_MODEL,
     train_seq2seq,
@@ -90,7 +90,7 @@ def all_done_or_one_failed(processes: list[subprocess.Popen]) -> bool:
 def root(tmp_path_factory) -> Path:
     """The checkpoints, the ranks' run over them, and the single-process fine-tuning the ranks repeated sharded."""
     root = tmp_path_factory.mktemp("tensor_parallel")
-    for name, case in {**CASES, "pipeline": PIPELINE_CASE}.items():
+    for name, case in CHECKPOINTS.items():
         case.new_model().save_pretrained(root / name)
     # A new model with its tokenizer, as the training script writes it (after one step).
     new_model = [*SCRIPT_DATA, "--config_overrides", SCRIPT_MODEL, "--do_train", "--max_steps", "1"]
@@ -149,11 +149,13 @@ def test_pipeline_parallel_causal_lm_gives_the_same_logits_and_tokens(results):
     assert pipeline["greedy_tokens_equal"] and pipeline["beam_tokens_equal"]
 
 
-@pytest.mark.parametrize("name", REFUSED_PIPELINE_CASES)
-def test_pipeline_parallel_is_refused_at_load_time_for_the_other_heads(results, name):
-    message = results["pipeline"][f"refused_{name}"]
-    assert message is not None, f"{name} loaded with pp_size=2"
-    assert "pp_size > 1" in message and "decoder-only language models" in message
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_what_the_engine_cannot_shard_is_refused_at_load_time(results, name):
+    """Pipeline parallelism for the heads that are not a causal LM; tensor parallelism that would split a head."""
+    checkpoint, parallel, expected = REFUSED[name]
+    message = results["refused"][name]
+    assert message is not None, f"{checkpoint} loaded with {parallel}"
+    assert expected in message
 
 
 def logged_losses(run_dir: Path) -> list[float]:

@@ -1,7 +1,8 @@
 """One rank of tests/test_tensor_parallel.py: each saved single-process checkpoint is loaded twice in this process,
 whole and sharded by transformers' own distributed engine (`DistributedConfig`), and the two are compared: logits,
-greedy and beam tokens, training loss and every gradient. Then a `Trainer` trains a tensor-parallel model and saves
-it. Rank 0 writes what it measured to `<root>/results.json` for the test to judge.
+greedy and beam tokens, training loss and every gradient; loads the engine must refuse are tried; then
+training/train_seq2seq.py --tp_size 2 fine-tunes a model. Rank 0 writes what it measured to `<root>/results.json` for
+the test to judge.
 
 By hand, after the test has written the checkpoints to ROOT:
 `python -m torch.distributed.run --standalone --nproc_per_node 2 tests/tensor_parallel_script.py ROOT`.
@@ -11,6 +12,7 @@ import json
 import os
 import sys
 from dataclasses import dataclass, field
+from itertools import chain
 from pathlib import Path
 
 import torch
@@ -18,6 +20,7 @@ import torch.distributed as dist
 from conftest import padded_batch, tiny_config
 from torch.distributed.tensor import DTensor
 from transformers.distributed import DistributedConfig
+from transformers.distributed.parallel_utils import replace_layer_number_by_wildcard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "training"))
 import train_seq2seq  # noqa: E402
@@ -151,6 +154,9 @@ def compare(case: Case, whole: torch.nn.Module, sharded: torch.nn.Module) -> dic
         else:
             result["gradients"][name] = share_of_tolerance(parameter.grad, sharded_gradient)
     result["sharded_parameters"] = sorted(name for name, p in sharded_parameters.items() if isinstance(p, DTensor))
+    names = chain(sharded.named_modules(), sharded.named_parameters())
+    names = {replace_layer_number_by_wildcard(name) for name, _ in names}
+    result["rules_matching_nothing"] = sorted((sharded.tp_plan.keys() | sharded.ep_plan.keys()) - names)
     return result
 
 

@@ -102,6 +102,45 @@ class VanillaTransformerConfig(PreTrainedConfig):
         "decoder_z_loss",
     ]
     attribute_map = {"hidden_size": "d_model"}  # the per-stack names are properties below: they depend on `stacks`
+    # The parallelism plans of transformers' distributed engine (`from_pretrained(..., distributed_config=
+    # DistributedConfig(tp_size=..., ep_size=..., pp_size=...))`), for one stack: `layers.*` of a decoder-only or
+    # encoder-only model, `encoder.layers.*` and `decoder.layers.*` of an encoder-decoder. They name the modules of
+    # every variant; a model keeps the rules that name its own modules (`init_parallel_plans`).
+    # Tensor parallelism (Megatron-LM, Shoeybi et al. 2019 §3): each rank holds a slice of the heads of every
+    # attention (q/k/v by output column, out_proj by input row; K/V head groups stay whole) and of the hidden units of
+    # every FFN, so one all-reduce per sub-layer sums its output. Norms, routers and expert banks are replicated.
+    base_model_tp_plan = {
+        "layers.*.self_attn.q_proj": "colwise",
+        "layers.*.self_attn.k_proj": "colwise",
+        "layers.*.self_attn.v_proj": "colwise",
+        "layers.*.self_attn.out_proj": "rowwise",
+        "layers.*.encoder_attn.q_proj": "colwise",
+        "layers.*.encoder_attn.k_proj": "colwise",
+        "layers.*.encoder_attn.v_proj": "colwise",
+        "layers.*.encoder_attn.out_proj": "rowwise",
+        "layers.*.mlp.fc1": "colwise",
+        "layers.*.mlp.fc2": "rowwise",
+        "layers.*.mlp.gate_proj": "colwise",
+        "layers.*.mlp.up_proj": "colwise",
+        "layers.*.mlp.down_proj": "rowwise",
+    }
+    # Expert parallelism (GShard, Lepikhin et al. 2020): each rank holds num_experts / ep_size whole experts, biases
+    # included, and the tokens routed to them; the router and shared experts stay on every rank.
+    base_model_ep_plan = {
+        "layers.*.mlp.experts": "ep_dispatch_experts",
+        "layers.*.mlp.experts.gate_up_proj": "grouped_gemm",
+        "layers.*.mlp.experts.up_proj": "grouped_gemm",
+        "layers.*.mlp.experts.down_proj": "grouped_gemm",
+        "layers.*.mlp.experts.gate_up_proj_bias": "grouped_gemm",
+        "layers.*.mlp.experts.up_proj_bias": "grouped_gemm",
+        "layers.*.mlp.experts.down_proj_bias": "grouped_gemm",
+    }
+    # Pipeline parallelism: consecutive layers per rank (the causal LM only, see `check_pipeline_parallel`).
+    base_model_pp_plan = {
+        "embed_tokens": (["input_ids"], ["inputs_embeds"]),
+        "layers": (["hidden_states", "attention_mask"], ["hidden_states"]),
+        "layer_norm": (["hidden_states"], ["hidden_states"]),
+    }
 
     # Sizes (paper Table 3, base).
     vocab_size: int = size(default=37000)

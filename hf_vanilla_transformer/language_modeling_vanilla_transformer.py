@@ -116,6 +116,7 @@ class VanillaTransformerForConditionalGeneration(LanguageModelingHead, VanillaTr
     """
 
     _tied_weights_keys = {"lm_head.weight": "model.shared.weight"}
+    _tp_plan = {"lm_head": "colwise_gather_output"}  # vocabulary-parallel, logits gathered on every rank
 
     def __init__(self, config: VanillaTransformerConfig):
         require_encoder_decoder(config)
@@ -232,6 +233,8 @@ class VanillaTransformerForCausalLM(LanguageModelingHead, VanillaTransformerGene
     """Decoder-only language model (GPT-style): the decoder stack without cross-attention, and a tied LM head."""
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _tp_plan = {"lm_head": "colwise_gather_output"}  # vocabulary-parallel, logits gathered on every rank
+    _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
 
     def __init__(self, config: VanillaTransformerConfig):
         config = config.for_single_stack("decoder")
@@ -319,6 +322,7 @@ class VanillaTransformerForMaskedLM(LanguageModelingHead):
     (`DataCollatorForLanguageModeling`)."""
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _tp_plan = {"lm_head": "colwise_gather_output"}  # vocabulary-parallel, logits gathered on every rank
 
     def __init__(self, config: VanillaTransformerConfig):
         config = config.for_single_stack("encoder")

@@ -185,6 +185,16 @@ class VanillaTransformerExperts(ExpertBank):
         self.has_gate = config.ffn_type in GATED_FFN_TYPES
         self.has_bias = config.use_bias
 
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        if self._is_expert_parallel:
+            # Under expert parallelism `num_experts` counts this rank's experts, and a choice of another rank's expert
+            # comes as id `num_experts` with weight 0 (transformers' all-reduce dispatch): a local expert runs it and
+            # the weight drops its output, as in transformers' own experts kernels.
+            top_k_index = top_k_index.clamp(max=self.num_experts - 1)
+        return super().forward(hidden_states, top_k_index, top_k_weights)
+
 
 def build_mlp(config: VanillaTransformerConfig, stack: Stack, layer_idx: int) -> nn.Module:
     """The position-wise FFN of one layer (§3.3), or a Mixture of Experts in the layers `config.is_moe_layer` picks."""

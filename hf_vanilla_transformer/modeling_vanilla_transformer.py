@@ -8,12 +8,15 @@ its tokens once, on entry, when its batch is padded (packing_vanilla_transformer
 """
 
 import importlib
+from itertools import chain
 
 import torch
 from torch import nn
 from transformers import PreTrainedConfig
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
+from transformers.distributed.parallel_utils import replace_layer_number_by_wildcard
+from transformers.distributed.pipeline_parallel import PipelineIdentityLayer
 from transformers.dynamic_module_utils import custom_object_save
 from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
 from transformers.modeling_outputs import (
@@ -160,11 +163,59 @@ class VanillaTransformerPreTrainedModel(PreTrainedModel):
                 head = getattr(importlib.import_module(f".{module}", __package__), class_name)
                 custom_object_save(head, save_directory)
 
+    def init_parallel_plans(self) -> None:
+        """transformers' parallelism plans, keeping the rules that name a module or parameter of this model. The
+        config's plans name the modules of every variant (dense or gated FFN, experts with or without biases,
+        cross-attention) of one stack, which an encoder-decoder holds twice under other names (`encoder.layers.*`):
+        every other rule would match nothing and be reported as such at load time."""
+        super().init_parallel_plans()
+        names = chain(self.named_modules(), self.named_parameters())
+        names = {replace_layer_number_by_wildcard(name) for name, _ in names}
+        for plan in ("_tp_plan", "_ep_plan", "_pp_plan"):
+            setattr(self, plan, {rule: value for rule, value in getattr(self, plan).items() if rule in names})
+
+    def gather_sharded_state_dict_for_save(self, model_to_save, state_dict, distributed_config, **kwargs) -> dict:
+        # transformers gathers each key of a sharded model on its own, so tied weights come back as copies, which
+        # save_pretrained would all write (the shared embedding four times); gathered once, they are saved once.
+        gathered = super().gather_sharded_state_dict_for_save(model_to_save, state_dict, distributed_config, **kwargs)
+        for target, source in model_to_save.all_tied_weights_keys.items():
+            if target in gathered and source in gathered:
+                gathered[target] = gathered[source]
+        return gathered
+
+    @classmethod
+    def maybe_distribute_model(cls, model, distributed_config, mesh_manager):
+        if distributed_config is not None:
+            check_parallelism(model, distributed_config)
+        return super().maybe_distribute_model(model, distributed_config, mesh_manager)
+
     @classmethod
     def _can_set_experts_implementation(cls) -> bool:
         # transformers greps the module of `cls` for "@use_experts_implementation"; the experts class lives in
         # layers_vanilla_transformer.py, beside neither the models nor the heads, so the grep cannot see it.
         return True
+
+
+def check_parallelism(model: VanillaTransformerPreTrainedModel, distributed_config) -> None:
+    """Refuse, before any weight is read, what transformers' distributed engine cannot shard (transformers 5.23).
+    Tensor parallelism gives each rank whole attention heads and whole K/V head groups. The pipeline engine splits
+    `model.layers` of a decoder-only language model into consecutive slices, one per rank, and returns logits only."""
+    config, tp_size = model.config, distributed_config.tp_size
+    for stack in config.stacks if tp_size > 1 else ():
+        heads = getattr(config, f"{stack}_attention_heads")
+        counts = {f"{stack}_attention_heads": heads, "num_key_value_heads": config.key_value_heads(heads)}
+        for name, count in counts.items():
+            if count % tp_size:
+                raise ValueError(
+                    f"tp_size={tp_size} does not divide {name}={count}: tensor parallelism gives each rank whole "
+                    "attention heads (and whole groups of query heads sharing a key/value head)."
+                )
+    if distributed_config.pp_size > 1 and not type(model)._pp_plan:
+        raise ValueError(
+            f"pp_size > 1 (pipeline parallelism) is not supported for {type(model).__name__}: transformers' pipeline "
+            "engine runs decoder-only language models (VanillaTransformerForCausalLM), not an encoder, an "
+            "encoder-decoder or a classifier. Tensor and expert parallelism (tp_size, ep_size) shard every head."
+        )
 
 
 class VanillaTransformerStack(VanillaTransformerPreTrainedModel):
@@ -197,7 +248,21 @@ class VanillaTransformerStack(VanillaTransformerPreTrainedModel):
         if position_ids is None:
             position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_length
         hidden_states, rotary = self.embed_positions(inputs_embeds, position_ids)
+        if self.first_layer_run > 0:  # a later pipeline rank: `inputs_embeds` is the previous rank's output
+            return inputs_embeds, inputs_embeds, rotary
         return inputs_embeds, self.dropout(hidden_states), rotary
+
+    @property
+    def first_layer_run(self) -> int:
+        """The index of the first layer this rank runs: 0, but on the later ranks of a pipeline, where transformers'
+        engine has replaced the layers of the ranks before by identities and passes their output as `inputs_embeds`."""
+        run = (index for index, layer in enumerate(self.layers) if not isinstance(layer, PipelineIdentityLayer))
+        return next(run, 0)
+
+    @property
+    def runs_last_layer(self) -> bool:
+        """False on the ranks of a pipeline before the last, whose output goes on to the next rank's layers."""
+        return not self.layers or not isinstance(self.layers[-1], PipelineIdentityLayer)
 
     @property
     def argument_prefix(self) -> str:
@@ -206,7 +271,7 @@ class VanillaTransformerStack(VanillaTransformerPreTrainedModel):
         return "decoder_" if self.config.is_encoder_decoder and isinstance(self, VanillaTransformerDecoder) else ""
 
     def final_norm(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return hidden_states if self.layer_norm is None else self.layer_norm(hidden_states)
+        return self.layer_norm(hidden_states) if self.layer_norm is not None and self.runs_last_layer else hidden_states
 
     @staticmethod
     def token_layout(token_mask: torch.Tensor | None) -> PackedTokens | None:
@@ -330,7 +395,8 @@ class VanillaTransformerDecoder(VanillaTransformerStack):
         cached = past_key_values is not None  # a given cache may be longer than its content (static)
         if use_cache and past_key_values is None:
             past_key_values = self.new_cache()
-        past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
+        first_layer = self.first_layer_run  # whose cache holds the decoded length
+        past_length = past_key_values.get_seq_length(first_layer) if past_key_values is not None else 0
         inputs_embeds, hidden_states, rotary = self.embed(input_ids, inputs_embeds, position_ids, past_length)
         batch_size, length = inputs_embeds.shape[:2]
         mask_name = f"{self.argument_prefix}attention_mask"
@@ -354,6 +420,7 @@ class VanillaTransformerDecoder(VanillaTransformerStack):
             attention_mask=attention_mask,
             past_key_values=None if starts_dynamic_cache else self_attention_cache,
             position_ids=position_ids,
+            layer_idx=first_layer,
         )
         if encoder_hidden_states is not None:
             check_inputs_embeds(encoder_hidden_states, self.config.d_model, "encoder_outputs.last_hidden_state")
@@ -408,6 +475,9 @@ class VanillaTransformerModel(VanillaTransformerPreTrainedModel):
         "decoder.embed_tokens.weight": "shared.weight",
         "encoder.embed_tokens.weight": "shared.weight",
     }
+    # The stacks shard their own embeddings on the vocabulary (transformers adds that rule to a model with
+    # `embed_tokens`); the shared one, held here, must be sharded like the `lm_head` tied to it.
+    _tp_plan = {"shared": "embedding_rowwise"}
 
     def __init__(self, config: VanillaTransformerConfig):
         super().__init__(config)

@@ -86,8 +86,8 @@ def test_models_are_annotated_with_their_dense_outputs(model_class):
 @pytest.mark.parametrize("layout", ["encoder-decoder", "decoder-only"])
 def test_router_logits_follow_the_config_and_an_explicit_argument_wins(layout):
     torch.manual_seed(0)
-    name = "VanillaTransformerForConditionalGeneration" if layout == "encoder-decoder" else "VanillaTransformerForCausalLM"
-    head = declared_class(name)
+    seq2seq = layout == "encoder-decoder"
+    head = declared_class("VanillaTransformerForConditionalGeneration" if seq2seq else "VanillaTransformerForCausalLM")
     model = head(tiny_config(**LAYOUTS[layout], num_experts=4, num_experts_per_tok=2)).eval()
     field = "decoder_router_logits" if layout == "encoder-decoder" else "router_logits"
     inputs = dict(input_ids=torch.randint(3, 64, (2, 5)))

@@ -18,12 +18,13 @@ matplotlib.use("Agg")  # headless: the plot only goes to a file
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
-from accelerate import PartialState  # noqa: E402
+from accelerate import ParallelismConfig, PartialState  # noqa: E402
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin  # noqa: E402
 from datasets import DatasetDict, load_dataset  # noqa: E402
 from torch.distributed.fsdp import FSDPModule  # noqa: E402
 from torch.optim.lr_scheduler import LambdaLR  # noqa: E402
 from transformers import HfArgumentParser, PreTrainedTokenizerBase, Trainer, set_seed  # noqa: E402
+from transformers.distributed import DistributedConfig  # noqa: E402
 
 from hf_vanilla_transformer import VanillaTransformerConfig  # noqa: E402
 from hf_vanilla_transformer.configuration_vanilla_transformer import PRESETS  # noqa: E402
@@ -74,6 +75,13 @@ class ModelArguments:
     )
     trust_remote_code: bool = field(
         default=False, metadata={"help": "Allow code from the Hub when loading --model_name_or_path or a dataset."}
+    )
+    tp_size: int = field(
+        default=1,
+        metadata={
+            "help": "Shard --model_name_or_path over this many tensor-parallel ranks at load time (transformers' "
+            "DistributedConfig; launch as many processes, e.g. torchrun --nproc_per_node 2). 1: no sharding."
+        },
     )
 
 
@@ -151,6 +159,22 @@ def original_module_class(model: torch.nn.Module) -> Iterator[None]:
         model.__class__ = sharded_class
 
 
+class CpuParallelismConfig(ParallelismConfig):
+    """Accelerate accepts a `ParallelismConfig` on GPU-like devices, with FSDP2 and with DeepSpeed only, so the Trainer
+    of a model that transformers sharded at load time (`DistributedConfig(tp_size=...)`) stops on CPU processes,
+    although the model runs its own collectives over gloo there. This one checks what matters on CPU: that the mesh
+    covers the processes."""
+
+    def _validate_accelerator(self, accelerator) -> None:
+        if accelerator.distributed_type != DistributedType.MULTI_CPU:
+            super()._validate_accelerator(accelerator)
+        elif self.total_size != accelerator.num_processes:
+            raise ValueError(
+                f"The parallel mesh has {self.total_size} ranks (tp_size={self.tp_size}, dp_shard_size="
+                f"{self.dp_shard_size}), but {accelerator.num_processes} processes were launched."
+            )
+
+
 class FsdpTrainerMixin(Trainer):
     """A Trainer whose FSDP runs on CPU processes too and whose saved models are `from_pretrained` folders.
 
@@ -160,10 +184,16 @@ class FsdpTrainerMixin(Trainer):
     DeepSpeed, which Accelerate drops on CPU processes as well, raises instead of silently training with DDP.
 
     Trainer.save_model writes no weights under FSDP with sharded checkpoints, and with full ones it saves under
-    FSDP2's class; here the full weights are gathered and saved under the model's own class.
+    FSDP2's class; here the full weights are gathered and saved under the model's own class. A model sharded at load
+    time (`--tp_size`) gets a `CpuParallelismConfig` on CPU processes, where Accelerate's own refuses to run.
     """
 
     def create_accelerator_and_postprocess(self) -> None:
+        tp_size = getattr(self.model, "tp_size", None) or 1
+        if tp_size > 1 and self.args.parallelism_config is None and not torch.accelerator.is_available():
+            self.args.parallelism_config = CpuParallelismConfig(
+                tp_size=tp_size, dp_shard_size=self.model.config.distributed_config.dp_size
+            )
         super().create_accelerator_and_postprocess()
         state = self.accelerator.state
         if state.distributed_type != DistributedType.MULTI_CPU:
@@ -245,6 +275,19 @@ def new_model_config(model_args: ModelArguments, tokenizer: PreTrainedTokenizerB
 def check_model_arguments(model_args: ModelArguments) -> None:
     if model_args.model_name_or_path and model_args.config_overrides:
         raise ValueError("--config_overrides builds a new model; it cannot change --model_name_or_path's config.")
+    if model_args.tp_size > 1 and not model_args.model_name_or_path:
+        raise ValueError(
+            "--tp_size shards a saved model while it loads: give --model_name_or_path (save a new model first)."
+        )
+
+
+def pretrained_model_kwargs(model_args: ModelArguments) -> dict[str, Any]:
+    """The `from_pretrained` keyword arguments for --model_name_or_path: remote code, and the tensor-parallel
+    sharding of --tp_size."""
+    kwargs: dict[str, Any] = {"trust_remote_code": model_args.trust_remote_code}
+    if model_args.tp_size > 1:
+        kwargs["distributed_config"] = DistributedConfig(tp_size=model_args.tp_size)
+    return kwargs
 
 
 def parse_script_arguments(dataclass_types: tuple[type, ...], argv: list[str] | None) -> tuple[Any, ...]:

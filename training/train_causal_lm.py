@@ -22,6 +22,7 @@ from run_common import (
     load_local_files,
     new_model_config,
     parse_script_arguments,
+    pretrained_model_kwargs,
     run_ranks_on_cpu_without_accelerator,
     save_run,
     schedule_description,
@@ -107,7 +108,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         tokenizer = train_bpe_tokenizer(texts, model_args.tokenizer_vocab_size)
     if model_args.model_name_or_path:
         model = AutoModelForCausalLM.from_pretrained(
-            model_args.model_name_or_path, trust_remote_code=model_args.trust_remote_code
+            model_args.model_name_or_path, **pretrained_model_kwargs(model_args)
         )
     else:
         config = new_model_config(model_args, tokenizer, is_encoder_decoder=False, is_decoder=True)

@@ -32,6 +32,7 @@ from run_common import (
     load_local_files,
     new_model_config,
     parse_script_arguments,
+    pretrained_model_kwargs,
     run_ranks_on_cpu_without_accelerator,
     save_run,
     schedule_description,
@@ -184,7 +185,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     tokenizer = load_tokenizer(model_args, training_args, raw, texts_of)
     if model_args.model_name_or_path:
         model = AutoModelForSeq2SeqLM.from_pretrained(
-            model_args.model_name_or_path, trust_remote_code=model_args.trust_remote_code
+            model_args.model_name_or_path, **pretrained_model_kwargs(model_args)
         )
     else:
         model = AutoModelForSeq2SeqLM.from_config(new_model_config(model_args, tokenizer))

@@ -1,0 +1,184 @@
+"""Tensor, expert and pipeline parallelism with transformers' own distributed engine, on two CPU ranks (gloo).
+
+Single-process checkpoints of every kind of head are written here; two ranks of tests/tensor_parallel_script.py (one
+launch) load each of them whole and with `DistributedConfig(tp_size=2)` (MoE: `tp_size=2, ep_size=2`; a causal LM
+also `pp_size=2`), and report what differs; then they fine-tune a model with training/train_seq2seq.py --tp_size 2,
+which this process repeats unsharded. The module takes 1.5-2.5 minutes on a busy 2-core machine.
+
+The ranks are started directly (RANK, WORLD_SIZE, MASTER_ADDR/PORT in their environment), as in tests/test_moe.py:
+torchrun's agent adds nothing to test. Ranks that outlive the test are killed.
+
+Run: python -m pytest -q tests/test_tensor_parallel.py
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from tensor_parallel_script import (
+    CASES,
+    CHECKPOINTS,
+    FINE_TUNING,
+    REFUSED,
+    SCRIPT_DATA,
+    SCRIPT_MODEL,
+    train_seq2seq,
+)
+
+from hf_vanilla_transformer import VanillaTransformerForConditionalGeneration
+
+SCRIPT = Path(__file__).with_name("tensor_parallel_script.py")
+RANK_TIMEOUT_S = 300
+INHERITED = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_", "TORCHELASTIC", "ACCELERATE_", "FSDP_")
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def run_two_ranks(root: Path) -> None:
+    """Both ranks of the script; when one fails the other is ended at once (it would wait in a collective)."""
+    clean = {key: value for key, value in os.environ.items() if not key.startswith(INHERITED)}
+    env = clean | {"OMP_NUM_THREADS": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
+    env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    env |= {"PYTHONPATH": os.pathsep.join([str(SCRIPT.parents[1]), clean.get("PYTHONPATH", "")])}
+    logs = [root / f"rank{rank}.log" for rank in range(2)]
+    with ExitStack() as files:
+        ranks = [
+            subprocess.Popen(
+                [sys.executable, str(SCRIPT), str(root)],
+                env=env | {"RANK": str(rank), "LOCAL_RANK": str(rank)},
+                stdout=files.enter_context(log.open("w")),
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # its own process group, so a hung rank and its children can be ended
+            )
+            for rank, log in enumerate(logs)
+        ]
+        deadline = time.monotonic() + RANK_TIMEOUT_S
+        try:
+            while time.monotonic() < deadline and not all_done_or_one_failed(ranks):
+                time.sleep(0.2)
+        finally:
+            for process in ranks:
+                if process.poll() is None:
+                    os.killpg(process.pid, signal.SIGKILL)
+                    process.wait()
+    outputs = [
+        f"rank {rank}, exit code {process.returncode}:\n{log.read_text()[-4000:]}"
+        for rank, (process, log) in enumerate(zip(ranks, logs, strict=True))
+    ]
+    assert all(process.returncode == 0 for process in ranks), "\n".join(outputs)
+
+
+def all_done_or_one_failed(processes: list[subprocess.Popen]) -> bool:
+    codes = [process.poll() for process in processes]
+    return all(code is not None for code in codes) or any(code not in (None, 0) for code in codes)
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    """The checkpoints, the ranks' run over them, and the single-process fine-tuning the ranks repeated sharded."""
+    root = tmp_path_factory.mktemp("tensor_parallel")
+    for name, case in CHECKPOINTS.items():
+        case.new_model().save_pretrained(root / name)
+    # A new model with its tokenizer, as the training script writes it (after one step).
+    new_model = [*SCRIPT_DATA, "--config_overrides", SCRIPT_MODEL, "--do_train", "--max_steps", "1"]
+    train_seq2seq.main([*new_model, "--output_dir", str(root / "script_model")])
+    run_two_ranks(root)
+    fine_tuning = [*FINE_TUNING, "--model_name_or_path", str(root / "script_model")]
+    train_seq2seq.main([*fine_tuning, "--output_dir", str(root / "fine_tuned")])
+    return root
+
+
+@pytest.fixture(scope="module")
+def results(root) -> dict:
+    return json.loads((root / "results.json").read_text())
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_sharded_model_computes_what_the_whole_one_does(results, name):
+    """Logits of a padded batch (run padding-free), greedy and beam tokens, the training loss and every gradient."""
+    result = results[name]
+    assert result["logits_shape"][0] == result["logits_shape"][1]
+    assert result["logits"] <= 1e-5
+    assert result["loss"][1] == pytest.approx(result["loss"][0], abs=1e-5)
+    assert len(result["gradients"]) > 10
+    for parameter, share_of_tolerance in result["gradients"].items():
+        assert share_of_tolerance is not None and share_of_tolerance <= 1, parameter  # rtol 1e-4, atol 1e-6
+    for key in ("greedy_tokens_equal", "beam_tokens_equal"):
+        assert result.get(key, True), key
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_each_rank_holds_a_slice_of_every_attention_and_ffn(results, name):
+    """The plans reach every sharded module of the head: attention (cross-attention too), the FFN or the experts,
+    the vocabulary projection; norms and routers stay whole."""
+    sharded = set(results[name]["sharded_parameters"])
+    config = CASES[name].new_model().config
+    stacks = ["model.encoder.layers.0", "model.decoder.layers.0"] if config.is_encoder_decoder else ["model.layers.0"]
+    expected = {f"{stack}.self_attn.{projection}.weight" for stack in stacks for projection in ("q_proj", "out_proj")}
+    if config.is_encoder_decoder:
+        expected |= {"model.decoder.layers.0.encoder_attn.k_proj.weight", "model.shared.weight"}
+    else:
+        expected.add("model.embed_tokens.weight")
+    if config.num_experts:
+        expected |= {f"{stack}.mlp.experts.down_proj" for stack in stacks}
+    else:
+        ffn = "mlp.down_proj" if config.ffn_type in ("swiglu", "geglu") else "mlp.fc2"
+        expected |= {f"{stack}.{ffn}.weight" for stack in stacks}
+    assert expected <= sharded
+    assert not {name for name in sharded if "norm" in name or "mlp.gate." in name or "classifier" in name}
+    assert results[name]["rules_matching_nothing"] == []  # which transformers would warn about at every load
+
+
+def test_pipeline_parallel_causal_lm_gives_the_same_logits_and_tokens(results):
+    """A pre-norm causal LM with sinusoidal positions: the second rank neither adds the positions again nor gets the
+    first rank's output normalised by the final norm."""
+    pipeline = results["pipeline"]
+    assert pipeline["logits"] <= 1e-5
+    assert pipeline["greedy_tokens_equal"] and pipeline["beam_tokens_equal"]
+
+
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_what_the_engine_cannot_shard_is_refused_at_load_time(results, name):
+    """Pipeline parallelism for the heads that are not a causal LM; tensor parallelism that would split a head."""
+    checkpoint, parallel, expected = REFUSED[name]
+    message = results["refused"][name]
+    assert message is not None, f"{checkpoint} loaded with {parallel}"
+    assert expected in message
+
+
+def logged_losses(run_dir: Path) -> list[float]:
+    history = json.loads((run_dir / "checkpoint-3" / "trainer_state.json").read_text())["log_history"]
+    return [entry["loss"] for entry in history if "loss" in entry]
+
+
+def test_training_script_trains_a_tensor_parallel_model_with_the_single_process_losses(root):
+    sharded, whole = logged_losses(root / "fine_tuned_tp"), logged_losses(root / "fine_tuned")
+    assert len(whole) == 3
+    assert sharded == pytest.approx(whole, rel=1e-5)
+
+
+def test_tensor_parallel_training_saves_whole_weights_that_reload_in_one_process(root):
+    model, info = VanillaTransformerForConditionalGeneration.from_pretrained(
+        root / "fine_tuned_tp", output_loading_info=True
+    )
+    assert not any(info.values()), info
+    expected = load_file(root / "fine_tuned" / "model.safetensors")
+    saved = load_file(root / "fine_tuned_tp" / "model.safetensors")
+    assert saved.keys() == expected.keys()
+    state = model.state_dict()
+    for name, tensor in expected.items():
+        assert saved[name].shape == tensor.shape, name
+        torch.testing.assert_close(state[name], tensor, rtol=1e-4, atol=1e-5, msg=name)

@@ -12,6 +12,7 @@ from transformers import (
     AutoConfig,
     AutoModel,
     AutoModelForCausalLM,
+    AutoModelForImageClassification,
     AutoModelForMaskedLM,
     AutoModelForQuestionAnswering,
     AutoModelForSeq2SeqLM,
@@ -22,6 +23,10 @@ from transformers import (
 from .configuration_vanilla_transformer import VanillaTransformerConfig
 from .heads_vanilla_transformer import VanillaTransformerForConditionalGeneration
 from .hub_vanilla_transformer import push_repository
+from .image_classification_vanilla_transformer import (
+    VanillaTransformerForImageClassification,
+    image_classification_config,
+)
 from .model_card_vanilla_transformer import build_model_card, write_model_card
 from .modeling_vanilla_transformer import VanillaTransformerModel, VanillaTransformerPreTrainedModel
 from .task_heads_vanilla_transformer import (
@@ -37,6 +42,7 @@ LAZY_NAMES: dict[str, str] = {
     "convert_llama_to_vanilla_transformer": "convert_llama_vanilla_transformer",
     "convert_marian_to_vanilla_transformer": "convert_marian_vanilla_transformer",
     "convert_mixtral_to_vanilla_transformer": "convert_mixtral_vanilla_transformer",
+    "convert_vit_to_vanilla_transformer": "convert_vit_vanilla_transformer",
     "export_to_ctranslate2": "ctranslate2_vanilla_transformer",
     "optimize_for_cpu_inference": "cpu_inference_vanilla_transformer",
 }
@@ -51,6 +57,7 @@ for _auto_class, _model_class in [
     (AutoModelForMaskedLM, VanillaTransformerForMaskedLM),
     (AutoModelForTokenClassification, VanillaTransformerForTokenClassification),
     (AutoModelForQuestionAnswering, VanillaTransformerForQuestionAnswering),
+    (AutoModelForImageClassification, VanillaTransformerForImageClassification),
 ]:
     _auto_class.register(VanillaTransformerConfig, _model_class, exist_ok=True)
     _model_class.register_for_auto_class(_auto_class.__name__)  # save_pretrained copies the code files
@@ -79,6 +86,8 @@ __all__ = [
     "VanillaTransformerForMaskedLM",
     "VanillaTransformerForTokenClassification",
     "VanillaTransformerForQuestionAnswering",
+    "VanillaTransformerForImageClassification",
+    "image_classification_config",
     "build_model_card",
     "write_model_card",
     "push_repository",

@@ -54,8 +54,15 @@ HEADS: dict[str, tuple[str, str, str]] = {
         "question-answering",
         "extractive question answering: start and end scores per token of the encoder",
     ),
+    "VanillaTransformerForImageClassification": (
+        "AutoModelForImageClassification",
+        "image-classification",
+        "a ViT-style image classifier: image patches embedded linearly, the encoder, pooled, then a linear layer",
+    ),
     "VanillaTransformerModel": ("AutoModel", "feature-extraction", "the encoder-decoder without a head"),
 }
+# Auto class -> (the preprocessor class saved beside the model, its variable in the usage lines); else a tokenizer.
+PREPROCESSORS = {"AutoModelForImageClassification": ("AutoImageProcessor", "image_processor")}
 SEQ2SEQ_PIPELINE_TAGS = ("translation", "text2text-generation", "summarization")
 
 # Auto class -> the lines after loading that show what the model is for.
@@ -88,6 +95,11 @@ USAGE_CALLS = {
         "outputs = model(**inputs)\n"
         "start, end = int(outputs.start_logits.argmax()), int(outputs.end_logits.argmax())\n"
         "print(tokenizer.decode(inputs.input_ids[0, start : end + 1]))"
+    ),
+    "AutoModelForImageClassification": (
+        "from PIL import Image\n\n"
+        'inputs = image_processor(Image.open("image.png").convert("RGB"), return_tensors="pt")\n'
+        "print(model.config.id2label[int(model(**inputs).logits.argmax(-1))])"
     ),
     "AutoModel": (
         'inputs = tokenizer(["Some text."], return_tensors="pt")\n'
@@ -155,6 +167,14 @@ def experts_description(config: PreTrainedConfig) -> str:
     )
 
 
+TOKEN_EMBEDDING_ROWS = (
+    "Embeddings scaled by sqrt(d_model)",
+    "Source/target embeddings shared",
+    "Output projection tied to embeddings",
+    "Vocabulary",
+)
+
+
 def architecture_rows(config: PreTrainedConfig, head: str) -> list[tuple[str, str]]:
     """The card's architecture table: one row per variant axis, with the paper's value marked."""
     grouped = config.key_value_heads(config.decoder_attention_heads) != config.decoder_attention_heads
@@ -162,7 +182,7 @@ def architecture_rows(config: PreTrainedConfig, head: str) -> list[tuple[str, st
     ffn = f"{paper(config.ffn_type, 'relu')}, d_ff = {config.encoder_ffn_dim} / {config.decoder_ffn_dim}"
     if config.ffn_type in GATED_FFN_TYPES:
         ffn += f" (gated hidden size {config.gated_hidden_size(config.encoder_ffn_dim)})"
-    return [
+    rows = [
         ("Stacks", stack_description(config, head)),
         ("Model width", f"d_model = {config.d_model}"),
         ("Attention heads", f"{config.encoder_attention_heads} / {config.decoder_attention_heads}{kv_heads}"),
@@ -180,6 +200,12 @@ def architecture_rows(config: PreTrainedConfig, head: str) -> list[tuple[str, st
             f"{config.dropout} / {config.attention_dropout} / {config.activation_dropout}",
         ),
     ]
+    if head == "VanillaTransformerForImageClassification":
+        pooling = {"mean": "pooled: mean over patches", "first": "pooled: [class] token"}[config.classifier_pooling]
+        image = f"{config.image_size} pixels, {config.num_channels} channels, patches of {config.patch_size}"
+        # An image has no vocabulary: the rows about token embeddings give way to the image's.
+        rows = [row for row in rows if row[0] not in TOKEN_EMBEDDING_ROWS] + [("Image (ViT)", f"{image}; {pooling}")]
+    return rows
 
 
 def variant_tags(config: PreTrainedConfig, head: str) -> list[str]:
@@ -294,9 +320,11 @@ def build_model_card(
         model_name=model_name,
         eval_results=eval_results(metrics, dataset, pipeline_tag) if metrics else None,
     )
+    preprocessor, preprocessor_name = PREPROCESSORS.get(auto_class, ("AutoTokenizer", "tokenizer"))
     load = (
-        f"from transformers import AutoTokenizer, {auto_class}\n\n"
-        f'tokenizer = AutoTokenizer.from_pretrained("{repo_id or PLACEHOLDER_REPO_ID}", trust_remote_code=True)\n'
+        f"from transformers import {preprocessor}, {auto_class}\n\n"
+        f'{preprocessor_name} = {preprocessor}.from_pretrained("{repo_id or PLACEHOLDER_REPO_ID}", '
+        "trust_remote_code=True)\n"
         f'model = {auto_class}.from_pretrained("{repo_id or PLACEHOLDER_REPO_ID}", trust_remote_code=True)\n'
     )
     if isinstance(model_or_config, PreTrainedModel):

@@ -129,8 +129,8 @@ def summary(runs: list[dict]) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, default=3, help="Training runs per model.")
-    parser.add_argument("--max_steps", type=int, default=1000, help="Training steps of every run (batch 64).")
-    parser.add_argument("--learning_rate", type=float, default=2e-3, help="Peak rate of the cosine schedule.")
+    parser.add_argument("--max_steps", type=int, default=1500, help="Training steps of every run (batch 64).")
+    parser.add_argument("--learning_rate", type=float, default=3e-3, help="Peak rate of the cosine schedule.")
     parser.add_argument("--step_repeats", type=int, default=30, help="Rounds of the paired step timing.")
     parser.add_argument("--work_dir", type=Path, default=Path("out/image-benchmark"), help="Checkpoints of the runs.")
     parser.add_argument("--output", type=Path, default=None, help="Results JSON (default: benchmarks/results/).")

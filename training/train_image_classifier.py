@@ -12,7 +12,8 @@ it a new model is built from the demo's small ViT-style config and --config_over
 for your images), with transformers' ViT image processor at that size. --freeze_base_model trains only the new
 classifier on the frozen encoder's features (feature-based transfer) instead of fine-tuning everything.
 
-Training images are augmented (random rotation, scale and shift; horizontal flips on request: digits must not be
+Images go through the image processor once (`datasets.map`, cached as any map); each training batch is then augmented
+on the fly (random rotation, scale and shift of the processed tensors; horizontal flips on request: digits must not be
 mirrored). Reports accuracy and macro-F1, plots the confusion matrix and writes a model card; the image processor is
 saved beside the model, so `pipeline("image-classification", model=output_dir, trust_remote_code=True)` runs it.
 
@@ -25,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from datasets import ClassLabel, DatasetDict, load_dataset
+from datasets import Array3D, ClassLabel, DatasetDict, Features, Value, load_dataset
 from demo_image_data import DIGITS_DATASET, digits_dataset
 from run_common import parse_config_overrides, parse_script_arguments, plot_training_curves
 from train_causal_lm import PaperTrainer
@@ -110,13 +111,6 @@ class ImageDataArguments:
     horizontal_flip: bool = field(default=False, metadata={"help": "Augmentation: mirror half the images."})
 
 
-@dataclass
-class ImageTrainingArguments(FineTuningArguments):
-    remove_unused_columns: bool = field(
-        default=False, metadata={"help": "Keep the image column: images are processed when a batch is drawn."}
-    )
-
-
 def load_image_data(data_args: ImageDataArguments, seed: int) -> tuple[DatasetDict, str]:
     """(train/validation DatasetDict, what to call the data in the model card), each split cut to --max_*_samples."""
     if data_args.dataset_name:
@@ -182,13 +176,43 @@ def image_processor_for(model_args: ImageModelArguments, config):
 def collate(examples: list[dict]) -> dict[str, torch.Tensor]:
     return {
         "pixel_values": torch.stack([example["pixel_values"] for example in examples]),
-        "labels": torch.tensor([example["labels"] for example in examples]),
+        "labels": torch.stack([example["labels"] for example in examples]),
     }
+
+
+@dataclass
+class AugmentingCollator:
+    """`collate`, then `random_affine` on the batch with the data arguments' settings."""
+
+    data_args: ImageDataArguments
+
+    def __call__(self, examples: list[dict]) -> dict[str, torch.Tensor]:
+        batch = collate(examples)
+        args = self.data_args
+        batch["pixel_values"] = random_affine(
+            batch["pixel_values"], args.rotation_degrees, args.scale_jitter, args.translate, args.horizontal_flip
+        )
+        return batch
+
+
+class ImageTrainer(PaperTrainer):
+    """A Trainer that augments the training batches only (it has one data collator for every split)."""
+
+    def __init__(self, *args, train_collator: AugmentingCollator, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.train_collator = train_collator
+
+    def get_train_dataloader(self):
+        evaluation_collator, self.data_collator = self.data_collator, self.train_collator
+        try:
+            return super().get_train_dataloader()
+        finally:
+            self.data_collator = evaluation_collator
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
     model_args, data_args, training_args = parse_script_arguments(
-        (ImageModelArguments, ImageDataArguments, ImageTrainingArguments), argv
+        (ImageModelArguments, ImageDataArguments, FineTuningArguments), argv
     )
     data, dataset_label = load_image_data(data_args, training_args.seed)
     names = label_names(data, data_args.label_column_name)
@@ -208,38 +232,35 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     image_processor = image_processor_for(model_args, model.config)
     is_class_label = isinstance(next(iter(data.values())).features[data_args.label_column_name], ClassLabel)
 
-    def transform(augment: bool):
-        def apply(batch: dict) -> dict:
-            images = [image.convert("RGB") for image in batch[data_args.image_column_name]]
-            pixel_values = image_processor(images, return_tensors="pt").pixel_values
-            if augment:
-                pixel_values = random_affine(
-                    pixel_values,
-                    data_args.rotation_degrees,
-                    data_args.scale_jitter,
-                    data_args.translate,
-                    data_args.horizontal_flip,
-                )
-            values = batch[data_args.label_column_name]
-            ids = values if is_class_label else [label_ids[str(value)] for value in values]
-            return {"pixel_values": list(pixel_values), "labels": ids}
+    def preprocess(batch: dict) -> dict:
+        images = [image.convert("RGB") for image in batch[data_args.image_column_name]]
+        values = batch[data_args.label_column_name]
+        ids = values if is_class_label else [label_ids[str(value)] for value in values]
+        return {"pixel_values": image_processor(images, return_tensors="np").pixel_values, "labels": ids}
 
-        return apply
+    def processed(split: str):
+        """The split as (pixel_values, labels) tensors, stored with their fixed shape (read back as one array)."""
+        part = data[split]
+        shape = preprocess(part[:1])["pixel_values"].shape[1:]
+        features = Features({"pixel_values": Array3D(shape=shape, dtype="float32"), "labels": Value("int64")})
+        part = part.map(preprocess, batched=True, remove_columns=part.column_names, features=features)
+        return part.with_format("torch")
 
     splits = {}
-    for split, flag, augment in [("train", "--do_train", True), ("validation", "--do_eval", False)]:
+    for split, flag in [("train", "--do_train"), ("validation", "--do_eval")]:
         if getattr(training_args, flag[2:]):
             if split not in data:
                 raise ValueError(f"{flag} needs a {split} split; the data has {list(data)}.")
-            splits[split] = data[split].with_transform(transform(augment))
+            splits[split] = processed(split)
 
-    trainer = PaperTrainer(
+    trainer = ImageTrainer(
         model=model,
         args=training_args,
         train_dataset=splits.get("train"),
         eval_dataset=splits.get("validation"),
         processing_class=image_processor,  # saved beside the model, for AutoImageProcessor and the pipeline
         data_collator=collate,
+        train_collator=AugmentingCollator(data_args),
         compute_metrics=metrics_for(len(names)),
     )
     metrics: dict[str, float] = {}

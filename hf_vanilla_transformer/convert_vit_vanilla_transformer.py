@@ -13,7 +13,10 @@ import torch
 from transformers import ViTForImageClassification
 
 from .configuration_vanilla_transformer import VanillaTransformerConfig
-from .image_classification_vanilla_transformer import VanillaTransformerForImageClassification
+from .image_classification_vanilla_transformer import (
+    VanillaTransformerForImageClassification,
+    image_classification_config,
+)
 
 # ViT's `hidden_act` -> our ungated ffn_type with the same activation (both go through transformers' ACT2FN).
 FFN_FOR_ACTIVATION = {"gelu": "gelu", "relu": "relu", "silu": "swish", "swish": "swish"}
@@ -48,16 +51,7 @@ def _check_convertible(config) -> None:
 def vit_config_to_vanilla_transformer(config) -> VanillaTransformerConfig:
     """The `VanillaTransformerConfig` of an image classifier computing the same function as a ViT `config`."""
     _check_convertible(config)
-    patch_height, patch_width = (
-        (config.patch_size, config.patch_size) if isinstance(config.patch_size, int) else config.patch_size
-    )
-    height, width = (config.image_size, config.image_size) if isinstance(config.image_size, int) else config.image_size
-    return VanillaTransformerConfig(
-        vocab_size=1,  # an image model has no vocabulary (its tokens are patches) and no special tokens
-        pad_token_id=None,
-        bos_token_id=None,
-        eos_token_id=None,
-        decoder_start_token_id=None,
+    return image_classification_config(  # encoder-only, learned positions: one per patch and one for [class]
         d_model=config.hidden_size,
         encoder_layers=config.num_hidden_layers,
         decoder_layers=config.num_hidden_layers,
@@ -65,7 +59,6 @@ def vit_config_to_vanilla_transformer(config) -> VanillaTransformerConfig:
         decoder_attention_heads=config.num_attention_heads,
         encoder_ffn_dim=config.intermediate_size,
         decoder_ffn_dim=config.intermediate_size,
-        max_position_embeddings=(height // patch_height) * (width // patch_width) + 1,  # the patches and [class]
         dropout=config.hidden_dropout_prob,
         attention_dropout=config.attention_probs_dropout_prob,
         norm_type="layernorm",
@@ -73,15 +66,11 @@ def vit_config_to_vanilla_transformer(config) -> VanillaTransformerConfig:
         norm_eps=config.layer_norm_eps,
         ffn_type=FFN_FOR_ACTIVATION[config.hidden_act],
         use_bias=True,
-        position_embedding_type="learned",
-        scale_embedding=False,
         classifier_pooling="first",
         initializer_range=config.initializer_range,
         image_size=config.image_size,
         patch_size=config.patch_size,
         num_channels=config.num_channels,
-        is_encoder_decoder=False,
-        is_decoder=False,
         id2label=dict(config.id2label),
         label2id=dict(config.label2id),
         problem_type=config.problem_type,

@@ -68,12 +68,25 @@ def check_image_config(config: VanillaTransformerConfig) -> None:
         )
 
 
+# What an image classifier's config holds where the caller says nothing: the encoder alone, learned positions (ViT
+# §3.1), and no vocabulary or special tokens (its tokens are patches; the token embedding is never built into it).
+IMAGE_DEFAULTS = dict(
+    is_encoder_decoder=False,
+    is_decoder=False,
+    position_embedding_type="learned",
+    vocab_size=1,
+    pad_token_id=None,
+    bos_token_id=None,
+    eos_token_id=None,
+    decoder_start_token_id=None,
+)
+
+
 def image_classification_config(**fields) -> VanillaTransformerConfig:
-    """A config for `VanillaTransformerForImageClassification` with ViT's defaults where `fields` says nothing:
-    encoder-only, learned positions with exactly one row per token (ViT §3.1), the rest the config's defaults
-    (mean pooling, post-norm ReLU FFN of the paper)."""
-    fields = {"is_encoder_decoder": False, "is_decoder": False, "position_embedding_type": "learned", **fields}
-    config = VanillaTransformerConfig(**fields)
+    """A config for `VanillaTransformerForImageClassification` with `IMAGE_DEFAULTS` where `fields` says nothing and
+    learned positions sized to exactly one row per token (ViT §3.1); the rest are the config's defaults (mean
+    pooling, the paper's post-norm ReLU FFN)."""
+    config = VanillaTransformerConfig(**{**IMAGE_DEFAULTS, **fields})
     if "max_position_embeddings" not in fields:
         config.max_position_embeddings = num_image_tokens(config)
     return config
@@ -213,5 +226,6 @@ __all__ = [
     "VanillaTransformerForImageClassification",
     "VanillaTransformerImageEncoder",
     "VanillaTransformerPatchEmbeddings",
+    "IMAGE_DEFAULTS",
     "image_classification_config",
 ]

@@ -56,6 +56,7 @@ def test_auto_class_and_defaults():
     config = model.config
     assert (config.is_encoder_decoder, config.is_decoder, config.position_embedding_type) == (False, False, "learned")
     assert config.classifier_pooling == "mean" and config.max_position_embeddings == 16  # one row per patch
+    assert config.vocab_size == 1 and config.pad_token_id is None  # no vocabulary: the tokens are patches
     assert model.get_input_embeddings() is model.model.patch_embeddings
     auto_map = model.config.auto_map
     assert auto_map["AutoModelForImageClassification"].endswith(".VanillaTransformerForImageClassification")

@@ -18,6 +18,10 @@ from .classification_vanilla_transformer import (
 )
 from .configuration_vanilla_transformer import VanillaTransformerConfig
 from .hub_vanilla_transformer import push_repository
+from .image_classification_vanilla_transformer import (
+    VanillaTransformerForImageClassification,
+    image_classification_config,
+)
 from .language_modeling_vanilla_transformer import (
     VanillaTransformerForCausalLM,
     VanillaTransformerForConditionalGeneration,
@@ -31,6 +35,7 @@ LAZY_NAMES: dict[str, str] = {
     "convert_llama_to_vanilla_transformer": "convert_llama_vanilla_transformer",
     "convert_marian_to_vanilla_transformer": "convert_marian_vanilla_transformer",
     "convert_mixtral_to_vanilla_transformer": "convert_mixtral_vanilla_transformer",
+    "convert_vit_to_vanilla_transformer": "convert_vit_vanilla_transformer",
     "export_to_ctranslate2": "ctranslate2_vanilla_transformer",
     "optimize_for_cpu_inference": "cpu_inference_vanilla_transformer",
 }
@@ -66,6 +71,8 @@ __all__ = [
     "VanillaTransformerForMaskedLM",
     "VanillaTransformerForTokenClassification",
     "VanillaTransformerForQuestionAnswering",
+    "VanillaTransformerForImageClassification",
+    "image_classification_config",
     "build_model_card",
     "write_model_card",
     "push_repository",

@@ -6,7 +6,9 @@ new head is its class and one entry here.
 from dataclasses import dataclass
 from typing import Literal
 
-Layout = Literal["encoder-decoder", "decoder-only", "encoder-only"]
+# The checkpoints a head can load: the stacks its config runs, and an image encoder's (its encoder embeds patches,
+# where the text encoder has a token embedding: no text head can load it, nor it a text checkpoint).
+Layout = Literal["encoder-decoder", "decoder-only", "encoder-only", "image-encoder"]
 
 
 @dataclass(frozen=True)
@@ -17,7 +19,8 @@ class HeadDeclaration:
                   encoder-only checkpoint (a GPT-style classifier starts from a causal LM), never an encoder-decoder's
     pipeline_tag  the Hub task of its model card: one transformers 5 has a pipeline for, or None
     summary       what it is, in the model card
-    usage         the lines after loading that show what it is for, in the model card"""
+    usage         the lines after loading that show what it is for, in the model card
+    preprocessor  the Auto class of its preprocessor, saved beside it, and its variable in the usage lines"""
 
     module: str
     auto_class: str
@@ -25,6 +28,7 @@ class HeadDeclaration:
     pipeline_tag: str | None
     summary: str
     usage: str
+    preprocessor: tuple[str, str] = ("AutoTokenizer", "tokenizer")
 
 
 SINGLE_STACK: tuple[Layout, ...] = ("decoder-only", "encoder-only")
@@ -99,20 +103,35 @@ HEADS: dict[str, HeadDeclaration] = {
         "start, end = int(outputs.start_logits.argmax()), int(outputs.end_logits.argmax())\n"
         "print(tokenizer.decode(inputs.input_ids[0, start : end + 1]))",
     ),
+    "VanillaTransformerForImageClassification": HeadDeclaration(
+        "image_classification_vanilla_transformer",
+        "AutoModelForImageClassification",
+        ("image-encoder",),
+        "image-classification",
+        "a ViT-style image classifier: image patches embedded linearly, the encoder, pooled, then a linear layer",
+        "from PIL import Image\n\n"
+        'inputs = image_processor(Image.open("image.png").convert("RGB"), return_tensors="pt")\n'
+        "print(model.config.id2label[int(model(**inputs).logits.argmax(-1))])",
+        preprocessor=("AutoImageProcessor", "image_processor"),
+    ),
 }
 
 
-def layout_of(config) -> Layout:
-    """The stacks a config runs, as a checkpoint layout (see `VanillaTransformerConfig.stacks`)."""
+def layout_of(config, model_class: str | None = None) -> Layout:
+    """The checkpoint layout of a model of class `model_class` (by name) on `config`: an image model's own, else the
+    stacks the config runs (see `VanillaTransformerConfig.stacks`)."""
+    declared = HEADS.get(model_class)
+    if declared is not None and declared.layouts == ("image-encoder",):
+        return "image-encoder"
     if config.is_encoder_decoder:
         return "encoder-decoder"
     return "decoder-only" if config.is_decoder else "encoder-only"
 
 
-def auto_map(config) -> dict[str, str]:
-    """`config.auto_map` of a checkpoint: every Auto class that can load it, not only the saved class's (which is all
-    transformers writes), as "module.Class" for `trust_remote_code`."""
-    layout = layout_of(config)
+def auto_map(config, model_class: str | None = None) -> dict[str, str]:
+    """`config.auto_map` of a checkpoint saved by a model of class `model_class`: every Auto class that can load it,
+    not only the saved class's (which is all transformers writes), as "module.Class" for `trust_remote_code`."""
+    layout = layout_of(config, model_class)
     loaders = {head.auto_class: f"{head.module}.{name}" for name, head in HEADS.items() if layout in head.layouts}
     return {"AutoConfig": "configuration_vanilla_transformer.VanillaTransformerConfig", **loaders}
 

@@ -206,6 +206,13 @@ class VanillaTransformerConfig(PreTrainedConfig):
     decoder_start_token_id: int | None = 1
     forced_eos_token_id: int | list[int] | None = None
 
+    # Images (ViT, Dosovitskiy et al. 2021, §3.1; ViT's names and types): the image classifier cuts each image of
+    # `num_channels` x `image_size` pixels into `patch_size` squares, the encoder's tokens. A size is (height, width)
+    # or one number for both.
+    image_size: int | list[int] | tuple[int, int] = 224
+    patch_size: int | list[int] | tuple[int, int] = 16
+    num_channels: int = 3
+
     def __post_init__(self, **kwargs):
         # The base class turns a dtype name into a torch dtype with getattr(torch, name) and reads the label map's
         # keys as ints; on bad values both fail with errors that do not say which field they came from.

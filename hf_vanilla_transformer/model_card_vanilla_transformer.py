@@ -80,6 +80,14 @@ def experts_description(config: PreTrainedConfig) -> str:
     )
 
 
+TOKEN_EMBEDDING_ROWS = (
+    "Embeddings scaled by sqrt(d_model)",
+    "Source/target embeddings shared",
+    "Output projection tied to embeddings",
+    "Vocabulary",
+)
+
+
 def architecture_rows(config: PreTrainedConfig, head: str) -> list[tuple[str, str]]:
     """The card's architecture table: one row per variant axis, with the paper's value marked."""
     grouped = config.key_value_heads(config.decoder_attention_heads) != config.decoder_attention_heads
@@ -87,7 +95,7 @@ def architecture_rows(config: PreTrainedConfig, head: str) -> list[tuple[str, st
     ffn = f"{paper(config.ffn_type, 'relu')}, d_ff = {config.encoder_ffn_dim} / {config.decoder_ffn_dim}"
     if config.ffn_type in GATED_FFN_TYPES:
         ffn += f" (gated hidden size {config.gated_hidden_size(config.encoder_ffn_dim)})"
-    return [
+    rows = [
         ("Stacks", stack_description(config, head)),
         ("Model width", f"d_model = {config.d_model}"),
         ("Attention heads", f"{config.encoder_attention_heads} / {config.decoder_attention_heads}{kv_heads}"),
@@ -105,6 +113,12 @@ def architecture_rows(config: PreTrainedConfig, head: str) -> list[tuple[str, st
             f"{config.dropout} / {config.attention_dropout} / {config.activation_dropout}",
         ),
     ]
+    if head == "VanillaTransformerForImageClassification":
+        pooling = {"mean": "pooled: mean over patches", "first": "pooled: [class] token"}[config.classifier_pooling]
+        image = f"{config.image_size} pixels, {config.num_channels} channels, patches of {config.patch_size}"
+        # An image has no vocabulary: the rows about token embeddings give way to the image's.
+        rows = [row for row in rows if row[0] not in TOKEN_EMBEDDING_ROWS] + [("Image (ViT)", f"{image}; {pooling}")]
+    return rows
 
 
 def variant_tags(config: PreTrainedConfig, head: str) -> list[str]:
@@ -224,9 +238,11 @@ def build_model_card(
         # model-index names the task evaluated, a Hub task: sequence-to-sequence where no pipeline tag applies.
         eval_results=eval_results(metrics, dataset, pipeline_tag or "text2text-generation") if metrics else None,
     )
+    preprocessor, preprocessor_name = declared.preprocessor
     load = (
-        f"from transformers import AutoTokenizer, {auto_class}\n\n"
-        f'tokenizer = AutoTokenizer.from_pretrained("{repo_id or PLACEHOLDER_REPO_ID}", trust_remote_code=True)\n'
+        f"from transformers import {preprocessor}, {auto_class}\n\n"
+        f'{preprocessor_name} = {preprocessor}.from_pretrained("{repo_id or PLACEHOLDER_REPO_ID}", '
+        "trust_remote_code=True)\n"
         f'model = {auto_class}.from_pretrained("{repo_id or PLACEHOLDER_REPO_ID}", trust_remote_code=True)\n'
     )
     if isinstance(model_or_config, PreTrainedModel):

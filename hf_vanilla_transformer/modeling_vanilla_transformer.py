@@ -155,7 +155,7 @@ class VanillaTransformerPreTrainedModel(PreTrainedModel):
         # transformers writes the saved class's own Auto class into `auto_map` and copies its module (and the modules
         # it imports); a checkpoint here also names every head that can load it (a causal LM's loads as a GPT-style
         # classifier), so each of their modules is copied too.
-        self.config.auto_map = auto_map(self.config)
+        self.config.auto_map = auto_map(self.config, type(self).__name__)
         super().save_pretrained(save_directory, *args, **kwargs)
         if self.is_remote_code():
             for name in self.config.auto_map.values():

@@ -144,9 +144,10 @@ def test_demo_driver_writes_the_table_and_learning_curves(tmp_path):
     )
     card = (tmp_path / "card" / "README.md").read_text()
     results = json.loads((tmp_path / "runs" / "results.json").read_text())
-    assert set(results) == {"bert/pretrained", "bert/scratch"} and all(len(r) == 2 for r in results.values())
-    for init in ("pretrained", "scratch"):
-        accuracies = results[f"bert/{init}"]
-        std = np.std(accuracies, ddof=1)
-        assert f"| BERT | {init} | {np.mean(accuracies):.3f} ± {std:.3f} |" in card
+    inits = ("frozen", "fine-tuned", "scratch")
+    assert set(results) == {f"bert/{init}" for init in inits} and all(len(r) == 2 for r in results.values())
+    accuracies = [results[f"bert/{init}"] for init in inits]
+    cells = [f"{np.mean(values):.3f} ± {np.std(values, ddof=1):.3f}" for values in accuracies]
+    assert "| Route | Frozen features | Full fine-tuning | From scratch |" in card
+    assert f"| BERT | {' | '.join(cells)} |" in card
     assert (tmp_path / "card" / "learning_curves.png").stat().st_size > 1000

@@ -1,6 +1,7 @@
-"""What pretraining buys, measured: pretrain on unlabelled text, fine-tune a classifier on a small labelled set, and
-compare with the same classifier trained from scratch, over several seeds, for both routes of the Transformer's
-successors:
+"""What pretraining buys, measured: pretrain on unlabelled text, then train a classifier on a small labelled set in
+three ways, over several seeds, for both routes of the Transformer's successors: on the frozen pretrained stack's
+features (feature-based transfer, as ELMo: only the classifier layer learns), fine-tuning the whole pretrained
+network (as GPT and BERT), and from scratch.
 
 - GPT route: a causal LM (train_causal_lm.py) -> a classifier on its causal decoder, pooling the last token;
 - BERT route: a masked LM (train_masked_lm.py) -> a classifier on its bidirectional encoder, mean-pooled.
@@ -35,6 +36,9 @@ ROUTES = {  # route -> (pretraining script, its block/length flag, the classifie
     "bert": (train_masked_lm, "--max_seq_length", "encoder"),
 }
 COMMON_FLAGS = ["--report_to", "none", "--save_strategy", "no", "--dataloader_pin_memory", "false"]
+# How each classifier starts: from the pretrained checkpoint with its stack frozen, or fine-tuning all of it, or anew.
+INITS = {"frozen": ("pretrained", True), "fine-tuned": ("pretrained", False), "scratch": (None, False)}
+COLUMN_TITLES = {"frozen": "Frozen features", "fine-tuned": "Full fine-tuning", "scratch": "From scratch"}
 
 
 def write_shared_inputs(output_dir: Path, pretrain_size: int) -> tuple[Path, Path]:
@@ -62,19 +66,24 @@ def pretrain(route: str, text_file: Path, tokenizer_dir: Path, output_dir: Path,
 
 
 def fine_tune(
-    route: str, init: Path | None, tokenizer_dir: Path, output_dir: Path, seed: int, args: argparse.Namespace
+    route: str, init: str, checkpoint: Path, tokenizer_dir: Path, output_dir: Path, seed: int, args: argparse.Namespace
 ) -> dict:
-    """One classifier run; returns its final metrics and its learning curve [(step, eval accuracy)]."""
+    """One classifier run of initialisation `init` (see INITS); returns its final metrics and its learning curve
+    [(step, eval accuracy)]."""
     steps = args.finetune_steps
-    out = output_dir / f"{route}-{'pretrained' if init else 'scratch'}-seed{seed}"
-    source = ["--model_name_or_path", str(init)] if init else [
+    start, frozen = INITS[init]
+    out = output_dir / f"{route}-{init}-seed{seed}"
+    source = ["--model_name_or_path", str(checkpoint)] if start else [
         "--tokenizer_name", str(tokenizer_dir), "--preset", "demo-small", "--config_overrides", MODEL_OVERRIDES,
         "--stack", ROUTES[route][2],
     ]  # fmt: skip
+    # A linear layer alone on fixed features takes a larger step than a whole network (linear probing).
+    source += ["--freeze_base_model", "--learning_rate", str(args.frozen_learning_rate)] if frozen else [
+        "--learning_rate", str(args.learning_rate)]  # fmt: skip
     metrics = train_classifier.main(
         [
             *source, "--output_dir", str(out), "--do_train", "--do_eval", "--max_steps", str(steps),
-            "--per_device_train_batch_size", "16", "--learning_rate", "5e-4", "--eval_strategy", "steps",
+            "--per_device_train_batch_size", "16", "--eval_strategy", "steps",
             "--eval_steps", str(max(steps // 10, 1)), "--logging_steps", str(max(steps // 10, 1)),
             "--demo_train_size", str(args.labelled_size), "--demo_validation_size", str(args.validation_size),
             "--seed", str(seed), *COMMON_FLAGS,
@@ -91,13 +100,15 @@ def mean_std(values: list[float]) -> str:
 
 def plot_learning_curves(runs: dict[tuple[str, str], list[dict]], path: Path) -> None:
     figure, axis = plt.subplots(figsize=(7, 4.5))
-    for index, ((route, init), results) in enumerate(runs.items()):
+    routes = list(dict.fromkeys(route for route, _ in runs))
+    styles = {"frozen": ":", "fine-tuned": "-", "scratch": "--"}
+    for (route, init), results in runs.items():
         steps = [step for step, _ in results[0]["curve"]]
         curves = [[accuracy for _, accuracy in result["curve"]] for result in results]
         means = [statistics.mean(column) for column in zip(*curves)]
         spread = [statistics.pstdev(column) for column in zip(*curves)]
-        color, style = f"C{index // 2}", "-" if init == "pretrained" else "--"
-        axis.plot(steps, means, style, color=color, label=f"{route.upper()} route, {init}")
+        color = f"C{routes.index(route)}"
+        axis.plot(steps, means, styles[init], color=color, label=f"{route.upper()} route, {init}")
         axis.fill_between(steps, [m - s for m, s in zip(means, spread)], [m + s for m, s in zip(means, spread)],
                           color=color, alpha=0.15)  # fmt: skip
     axis.axhline(1 / TOPICS, color="grey", linewidth=0.8, linestyle=":", label="chance")
@@ -110,12 +121,19 @@ def plot_learning_curves(runs: dict[tuple[str, str], list[dict]], path: Path) ->
     plt.close(figure)
 
 
+def results_table(runs: dict[tuple[str, str], list[dict]], metric: str) -> str:
+    """One row per route, one column per initialisation (INITS): mean ± std of `metric` over seeds."""
+    routes = list(dict.fromkeys(route for route, _ in runs))
+    inits = [init for init in INITS if any(key[1] == init for key in runs)]
+    header = "| Route | " + " | ".join(COLUMN_TITLES[init] for init in inits) + " |\n|---|" + "---|" * len(inits)
+    rows = [
+        f"| {route.upper()} | " + " | ".join(mean_std([r[metric] for r in runs[route, init]]) for init in inits) + " |"
+        for route in routes
+    ]
+    return "\n".join([header, *rows])
+
+
 def card_text(runs: dict[tuple[str, str], list[dict]], settings: dict, plot_name: str, seconds: float) -> str:
-    rows = "\n".join(
-        f"| {route.upper()} | {init} | {mean_std([r['accuracy'] for r in results])} | "
-        f"{mean_std([r['macro_f1'] for r in results])} |"
-        for (route, init), results in runs.items()
-    )
     language = TopicLanguage.build()
     return f"""---
 library_name: transformers
@@ -128,13 +146,19 @@ tags:
 
 # Pretrain → fine-tune demo (GPT route and BERT route)
 
-What pretraining on unlabelled text buys a classifier fine-tuned on {settings["labelled"]} labelled sentences, against
-the same classifier trained from scratch ({settings["seeds"]} seeds each; mean ± standard deviation; validation set of
-{settings["validation"]} sentences; chance = {1 / TOPICS:.2f}).
+What pretraining on unlabelled text buys a classifier trained on {settings["labelled"]} labelled sentences, used in
+two ways: as fixed features for a classifier layer (the pretrained stack frozen, feature-based transfer as ELMo), or
+as the starting point of fine-tuning the whole network (GPT, BERT); against the same classifier trained from scratch
+({settings["seeds"]} seeds each; mean ± standard deviation; validation set of {settings["validation"]} sentences;
+chance = {1 / TOPICS:.2f}).
 
-| Route | Initialisation | Accuracy | Macro-F1 |
-|---|---|---|---|
-{rows}
+Accuracy:
+
+{results_table(runs, "accuracy")}
+
+Macro-F1:
+
+{results_table(runs, "macro_f1")}
 
 ![Learning curves]({plot_name})
 
@@ -155,11 +179,13 @@ Learning curves: validation accuracy during fine-tuning, mean over seeds with ±
 - **Pretraining** ({settings["pretrain_steps"]} steps, batch 64, Noam schedule): GPT route
   `training/train_causal_lm.py` (blocks of 32 tokens), BERT route `training/train_masked_lm.py` (15 % of tokens
   masked).
-- **Fine-tuning** (`training/train_classifier.py`, {settings["finetune_steps"]} steps, batch 16, AdamW 5e-4
-  constant): GPT route a classifier on the causal decoder reading the last real token (from the causal-LM
-  checkpoint, or a new decoder); BERT route a classifier on the bidirectional encoder, mean-pooled (from the
-  masked-LM checkpoint, or a new encoder). Seeds change the classifier layer's initialisation (and the whole model's
-  from scratch), dropout and the batch order; the labelled set is the same.
+- **Classifier training** (`training/train_classifier.py`, {settings["finetune_steps"]} steps, batch 16, AdamW
+  constant rate: {settings["learning_rate"]:g} fine-tuning and from scratch, {settings["frozen_learning_rate"]:g} for
+  the classifier layer alone on frozen features, `--freeze_base_model`): GPT route a classifier on the causal
+  decoder reading the last real token (from the causal-LM checkpoint, or a new decoder); BERT route a classifier on
+  the bidirectional encoder, mean-pooled (from the masked-LM checkpoint, or a new encoder). Frozen, the checkpoint's
+  stack leaves training bit for bit unchanged. Seeds change the classifier layer's initialisation (and the whole
+  model's from scratch), dropout and the batch order; the labelled set is the same.
 
 Reproduce (about {seconds / 60:.0f} minutes on this machine, 1 thread):
 
@@ -177,6 +203,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--pretrain_size", type=int, default=20000, help="Unlabelled sentences.")
     parser.add_argument("--pretrain_steps", type=int, default=600, help="Pretraining steps of each language model.")
     parser.add_argument("--finetune_steps", type=int, default=100, help="Fine-tuning steps of each classifier.")
+    parser.add_argument("--learning_rate", type=float, default=5e-4, help="Fine-tuning and from-scratch rate.")
+    parser.add_argument(
+        "--frozen_learning_rate", type=float, default=5e-3, help="Rate of the classifier layer on frozen features."
+    )
     parser.add_argument("--labelled_size", type=int, default=48, help="Labelled training sentences.")
     parser.add_argument("--validation_size", type=int, default=400, help="Labelled validation sentences.")
     parser.add_argument("--routes", nargs="+", choices=list(ROUTES), default=list(ROUTES), help="Routes to run.")
@@ -192,9 +222,9 @@ def main(argv: list[str] | None = None) -> None:
     runs: dict[tuple[str, str], list[dict]] = {}
     for route in args.routes:
         checkpoint = pretrain(route, text_file, tokenizer_dir, output_dir, args.pretrain_steps)
-        for init, source in [("pretrained", checkpoint), ("scratch", None)]:
+        for init in INITS:
             runs[route, init] = [
-                fine_tune(route, source, tokenizer_dir, output_dir, seed, args) for seed in range(args.seeds)
+                fine_tune(route, init, checkpoint, tokenizer_dir, output_dir, seed, args) for seed in range(args.seeds)
             ]
     plot_learning_curves(runs, card_dir / "learning_curves.png")
     settings = dict(
@@ -204,6 +234,8 @@ def main(argv: list[str] | None = None) -> None:
         pretrain_size=args.pretrain_size,
         pretrain_steps=args.pretrain_steps,
         finetune_steps=args.finetune_steps,
+        learning_rate=args.learning_rate,
+        frozen_learning_rate=args.frozen_learning_rate,
     )
     (card_dir / "README.md").write_text(card_text(runs, settings, "learning_curves.png", time.time() - started))
     summary = {f"{route}/{init}": [r["accuracy"] for r in results] for (route, init), results in runs.items()}

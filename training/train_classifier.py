@@ -37,6 +37,7 @@ from transformers import (
     AutoTokenizer,
     DataCollatorWithPadding,
     EvalPrediction,
+    PreTrainedModel,
     PreTrainedTokenizerBase,
     TrainingArguments,
 )
@@ -63,6 +64,13 @@ class ClassifierModelArguments(ModelArguments):
             "BERT-style) or 'decoder' (causal, last token, GPT-style). A checkpoint's config decides otherwise."
         },
     )
+    freeze_base_model: bool = field(
+        default=False,
+        metadata={
+            "help": "Train only the new classifier on the frozen stack's features (feature-based transfer, as ELMo) "
+            "instead of fine-tuning every weight."
+        },
+    )
 
 
 @dataclass
@@ -75,6 +83,13 @@ class FineTuningArguments(NoamArguments, TrainingArguments):
     )
     warmup_steps: float = field(default=0, metadata={"help": "Warm-up steps (a float < 1: a share of all steps)."})
     lr_scheduler_type: str = field(default="constant_with_warmup", metadata={"help": "Schedule after the warm-up."})
+
+
+def freeze_base_model(model: PreTrainedModel) -> None:
+    """Feature-based transfer: the pretrained stack (`model.base_model`, embeddings included) stops learning, so only
+    the task's output layer trains on its features; its weights leave training bit for bit as they came."""
+    for parameter in model.base_model.parameters():
+        parameter.requires_grad_(False)
 
 
 def label_names(data: DatasetDict, label_column: str) -> list[str]:
@@ -162,6 +177,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         model = AutoModelForSequenceClassification.from_config(
             new_model_config(model_args, tokenizer, **stack, **labels)
         )
+    if model_args.freeze_base_model:
+        freeze_base_model(model)
 
     is_class_label = isinstance(
         data["train" if "train" in data else "validation"].features[data_args.label_column], ClassLabel
@@ -195,7 +212,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     trainer.save_state()  # trainer_state.json: the log history, i.e. the learning curve
     output_dir = Path(training_args.output_dir)
     description = "Fine-tuned with `training/train_classifier.py` of hf_vanilla_transformer"
-    description += f" from `{model_args.model_name_or_path}`." if model_args.model_name_or_path else " from scratch."
+    description += f" from `{model_args.model_name_or_path}`" if model_args.model_name_or_path else " from scratch"
+    description += ", the stack frozen (only the classifier trained)." if model_args.freeze_base_model else "."
     if training_args.do_eval:
         prediction = trainer.predict(splits["validation"], metric_key_prefix="eval")
         metrics.update(prediction.metrics)
@@ -210,6 +228,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         results = {name: metrics[name] for name in ("eval_accuracy", "eval_macro_f1", "eval_loss") if name in metrics}
         recipe = {
             "init": model_args.model_name_or_path or f"new {model_args.stack} ({model_args.preset})",
+            "frozen_base_model": model_args.freeze_base_model,
             "learning_rate": training_args.learning_rate,
             "steps": trainer.state.global_step,
             "batch_size": training_args.per_device_train_batch_size,

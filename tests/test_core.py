@@ -12,12 +12,17 @@ from transformers import (
     AutoModelForCausalLM,
     AutoModelForSeq2SeqLM,
     AutoModelForSequenceClassification,
+    CompileConfig,
     MarianConfig,
     MarianMTModel,
     get_linear_schedule_with_warmup,
 )
 
-from hf_vanilla_transformer import VanillaTransformerConfig, VanillaTransformerForConditionalGeneration
+from hf_vanilla_transformer import (
+    VanillaTransformerConfig,
+    VanillaTransformerForCausalLM,
+    VanillaTransformerForConditionalGeneration,
+)
 from hf_vanilla_transformer.positions_vanilla_transformer import sinusoidal_position_encoding
 
 
@@ -219,6 +224,26 @@ def test_static_cache_equals_dynamic_cache():
     dynamic = model.generate(input_ids, **kwargs)
     static = model.generate(input_ids, cache_implementation="static", **kwargs)
     assert torch.equal(dynamic, static)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_causal_lm_static_cache_equals_dynamic_cache_on_right_padded_prompts(compiled):
+    """A static cache makes generate pass the forward a 4D mask, which hides the prompt's padding: a right-padded row
+    must still continue from where the dynamic cache continues it (the model's 0 at padding), eager or compiled
+    with fullgraph (aot_eager: inductor's trace without its C++ build)."""
+    torch.manual_seed(0)
+    model = VanillaTransformerForCausalLM(tiny_config(is_encoder_decoder=False, eos_token_id=None)).eval()
+    input_ids, attention_mask = padded_batch()
+    settings = dict(attention_mask=attention_mask, max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
+    settings["output_scores"] = True
+    dynamic = model.generate(input_ids, **settings)
+    compile_config = CompileConfig(fullgraph=True, backend="aot_eager")
+    compile_config._compile_all_devices = compiled  # generate compiles its steps on the CPU only when asked
+    torch._dynamo.reset()
+    static = model.generate(input_ids, cache_implementation="static", compile_config=compile_config, **settings)
+    assert hasattr(model, "_compiled_call") == compiled
+    assert torch.equal(static.sequences, dynamic.sequences)
+    torch.testing.assert_close(torch.stack(static.scores), torch.stack(dynamic.scores), atol=1e-5, rtol=1e-5)
 
 
 def test_sampling_with_top_k_1_or_tiny_top_p_is_greedy():

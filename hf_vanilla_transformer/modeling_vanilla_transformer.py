@@ -151,6 +151,18 @@ class VanillaTransformerPreTrainedModel(PreTrainedModel):
             if getattr(module, "bias", None) is not None:
                 init.zeros_(module.bias)
 
+    def mark_tied_weights_as_initialized(self, loading_info) -> None:
+        # transformers marks every tied parameter as loaded before tying it to its source; a tied name that is the
+        # source's own parameter (the stacks hold the `shared` embedding module itself) would mark the source too, and
+        # a source missing from the checkpoint would then be neither loaded nor initialised: left on the meta device.
+        missing_aliased_sources = {
+            source
+            for target, source in self.all_tied_weights_keys.items()
+            if source in loading_info.missing_keys and self.get_parameter(target) is self.get_parameter(source)
+        }
+        super().mark_tied_weights_as_initialized(loading_info)
+        loading_info.missing_keys |= missing_aliased_sources
+
     def save_pretrained(self, save_directory, *args, **kwargs) -> None:
         # transformers writes the saved class's own Auto class into `auto_map` and copies its module (and the modules
         # it imports); a checkpoint here also names every head that can load it (a causal LM's loads as a GPT-style

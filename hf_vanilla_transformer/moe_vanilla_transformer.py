@@ -2,14 +2,13 @@
 
     router      p = softmax(x W_r)  in fp32; the top-k experts of each token, weights optionally renormalised
     block       y = sum_{e in top-k} p_e FFN_e(x)  (+ shared experts applied to every token, DeepSeekMoE)
+    experts     the E FFNs as 3D tensors in Mixtral's layout, run by the function `config._experts_implementation`
+                names (`@use_experts_implementation`): transformers' "eager", "batched_mm", "grouped_mm", ..., or
+                ours, "sorted_grouped_mm" (the default: the same grouped matmuls, fewer passes over the rows)
     capacity    with factor c, expert e serves at most ceil(c * tokens * k / E) tokens (GShard, Switch Transformer);
                 the rest skip it, so a token with no expert left keeps only its residual
     losses      balancing  E * sum_e f_e P_e per layer  (Switch Transformer eq. 4-6, mask-aware, Mixtral's function)
                 z-loss     mean_tokens (logsumexp x)^2   (ST-MoE eq. 5)
-
-    experts    E FFNs as 3D tensors in Mixtral's layout, run by the experts function `config._experts_implementation`
-               names (`@use_experts_implementation`): transformers' "eager", "batched_mm", "grouped_mm", ..., or
-               ours, "sorted_grouped_mm" (the default: the same grouped matmuls with fewer passes over the rows)
 """
 
 import math

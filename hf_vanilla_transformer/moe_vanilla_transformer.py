@@ -161,18 +161,27 @@ def local_expert_ids(experts: nn.Module, top_k_index: torch.Tensor) -> torch.Ten
     return top_k_index.clamp(max=experts.num_experts - 1) if experts._is_expert_parallel else top_k_index
 
 
+SORTED_GROUPED_MM = "sorted_grouped_mm"
+
+
 def sorted_grouped_mm_experts_forward(
     experts: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
-    """`grouped_mm` for our experts: transformers' `grouped_mm_experts_forward` (the (token, expert) assignments
-    sorted by expert, one grouped matmul per projection through the same `_grouped_linear` kernel dispatch) with
-    fewer passes over the (tokens * k, H) rows around the matmuls.
+    """"sorted_grouped_mm": transformers' `grouped_mm_experts_forward` (the (token, expert) assignments sorted by
+    expert, one grouped matmul per projection through the same `_grouped_linear` kernel dispatch) with fewer passes
+    over the (tokens * k, H) rows around the matmuls, and a looped kernel for the shapes torch's grouped_mm refuses.
 
     The sort order gives each row's token directly: rows are gathered with `index_select` and the weighted expert
     outputs summed back per token with `index_add` (whose backward is again an `index_select`), where transformers
     gathers by advanced indexing (whose backward zero-fills and scatters), un-permutes the outputs through the inverse
     permutation and sums a reshape. As there, the sum is taken in the routing weights' fp32 and cast once.
+    Registered in transformers' table, it is selectable for any model's experts: it refuses the post-expert norm
+    some have instead of skipping it.
     """
+    if experts.has_post_expert_norm:
+        raise NotImplementedError(
+            f'experts_implementation="{SORTED_GROUPED_MM}" does not run post-expert norms; use "grouped_mm".'
+        )
     num_tokens, top_k = top_k_index.shape
     expert_ids, order = local_expert_ids(experts, top_k_index).reshape(-1).sort()
     token = order // top_k  # the token of each row, rows in expert order
@@ -196,7 +205,6 @@ def sorted_grouped_mm_experts_forward(
 # Ours, by name, beside transformers' experts functions: `from_pretrained(..., experts_implementation=...)` and
 # `set_experts_implementation` accept the names of transformers' global table. (`_grouped_linear` is private to
 # transformers, whose version is pinned.)
-SORTED_GROUPED_MM = "sorted_grouped_mm"
 ExpertsInterface.register(SORTED_GROUPED_MM, sorted_grouped_mm_experts_forward)
 
 

@@ -240,8 +240,33 @@ def test_each_experts_implementation_runs_its_function(tmp_path, implementation)
                 spy.reset_mock()
 
 
+def test_sorted_grouped_mm_refuses_what_it_does_not_run():
+    """Registered in transformers' table, ours can be chosen for any model's experts: it refuses a post-expert norm
+    (which some models' experts have) instead of skipping it."""
+    moe = block(SORTED_GROUPED_MM)
+    moe.experts.has_post_expert_norm = True
+    with pytest.raises(NotImplementedError, match="post-expert norms"):
+        moe(torch.randn(4, 32))
+
+
+@pytest.mark.parametrize("implementation", ["eager", *EXPERTS_FUNCTIONS])
+def test_choices_of_another_ranks_experts_add_nothing_under_expert_parallelism(implementation):
+    """Under expert parallelism a choice of an expert held by another rank reaches this rank's experts as id
+    `num_experts` with weight 0 (transformers' dispatch): every implementation drops it."""
+    moe = block(implementation)
+    hidden = torch.randn(6, 32)
+    _, top_k_weights, top_k_index = moe.gate(hidden)
+    top_k_weights = top_k_weights.detach().clone()
+    top_k_weights[::2, 1] = 0.0
+    with torch.no_grad():
+        expected = moe.experts(hidden, top_k_index, top_k_weights)
+        moe.experts._is_expert_parallel = True
+        top_k_index[::2, 1] = moe.experts.num_experts
+        torch.testing.assert_close(moe.experts(hidden, top_k_index, top_k_weights), expected)
+
+
 def test_unknown_experts_implementation_is_refused_with_the_valid_names():
-    with pytest.raises(ValueError, match=f"{SORTED_GROUPED_MM}.*|.*{SORTED_GROUPED_MM}"):
+    with pytest.raises(ValueError, match=f'experts_implementation="{SORTED_GROUPED_MM}"'):  # among the valid names
         seq2seq().set_experts_implementation("sorted_grouped")
 
 

@@ -19,6 +19,7 @@ from typing import Any, Literal
 import torch
 from transformers import GenerationConfig
 from transformers.generation import GenerationMixin
+from transformers.masking_utils import create_masks_for_generate
 
 from .inputs_vanilla_transformer import check_token_ids
 
@@ -60,6 +61,16 @@ class VanillaTransformerGenerationMixin(GenerationMixin):
             generation_config.length_penalty_type = penalty_type
         _length_penalty_type(generation_config)
         return generation_config, model_kwargs
+
+    def create_masks_for_generate(self, attention_mask: torch.Tensor | None, inputs_embeds: torch.Tensor, **kwargs):
+        """The mask `generate` passes to a forward with a compileable cache (static): transformers' 4D one for the
+        decoding steps, whose shape must stay the same from step to step under torch.compile, but the 2D padding mask
+        itself for a prompt. A 4D mask says nothing about padding, and the stacks return 0 at the padding positions
+        only when they know where it is: with the 4D mask a right-padded prompt would continue from its pad
+        embeddings, with a dynamic cache from 0. (A step of one token is never padding.)"""
+        if attention_mask is not None and attention_mask.dim() == 2 and inputs_embeds.shape[1] > 1:
+            return attention_mask
+        return create_masks_for_generate(attention_mask=attention_mask, inputs_embeds=inputs_embeds, **kwargs)
 
     def _prepare_model_inputs(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, str, dict[str, Any]]:
         # Checked before transformers' generation loop indexes into them (an empty prompt fails there otherwise).

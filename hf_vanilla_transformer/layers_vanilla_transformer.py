@@ -1,9 +1,9 @@
 """The layers of the Transformer (§3.1-3.3): multi-head attention, the FFN or Mixture-of-Experts sub-layer, and the
 encoder and decoder layers that wrap each sub-layer in dropout, residual and norm.
 
-Attention goes through transformers' attention interface (eager, sdpa, flash, flex). The expert banks run
-transformers' grouped/batched kernels (`@use_experts_implementation`). A layer's input may be packed, (tokens,
-d_model), by its stack (packing_vanilla_transformer): only attention scatters back to (batch, length).
+Attention goes through transformers' attention interface (eager, sdpa, flash, flex); the Mixture of Experts block is
+in moe_vanilla_transformer. A layer's input may be packed, (tokens, d_model), by its stack
+(packing_vanilla_transformer): only attention scatters back to (batch, length).
 """
 
 from collections.abc import Callable
@@ -11,16 +11,15 @@ from collections.abc import Callable
 import torch
 from torch import nn
 from transformers.cache_utils import Cache, EncoderDecoderCache
-from transformers.integrations.moe import use_experts_implementation
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, eager_attention_forward
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs
 
-from .configuration_vanilla_transformer import GATED_FFN_TYPES, Stack, VanillaTransformerConfig
-from .feed_forward_vanilla_transformer import build_feed_forward, ffn_activation
-from .moe_vanilla_transformer import EXPERTS_FUNCTIONS, VanillaTransformerSparseMoeBlock, gated_activation
+from .configuration_vanilla_transformer import Stack, VanillaTransformerConfig
+from .feed_forward_vanilla_transformer import build_feed_forward
+from .moe_vanilla_transformer import VanillaTransformerSparseMoeBlock
 from .norms_vanilla_transformer import SublayerConnection, deepnorm_constants, set_deepnorm_init_gains
 from .packing_vanilla_transformer import PackedTokens
 
@@ -120,87 +119,11 @@ class VanillaTransformerAttention(nn.Module):
         return self.out_proj(attn_output), attn_weights
 
 
-@use_experts_implementation(experts_interface=EXPERTS_FUNCTIONS)
-class ExpertBank(nn.Module):
-    """`num_experts` FFNs of `config.ffn_type` (§3.3 or a GLU variant) stored as 3D tensors in Mixtral's layout, so
-    transformers' `grouped_mm`/`batched_mm` kernels run them: gated types fuse [gate; up] in `gate_up_proj`
-    (E, 2I, H), ungated ones have `up_proj` (E, I, H); `down_proj` is (E, H, I); `*_bias` when `config.use_bias`."""
-
-    def __init__(self, config: VanillaTransformerConfig, num_experts: int, ffn_dim: int):
-        super().__init__()
-        gated = config.ffn_type in GATED_FFN_TYPES
-        hidden = config.gated_hidden_size(ffn_dim) if gated else ffn_dim
-        self.num_experts = num_experts
-        if gated:
-            self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * hidden, config.d_model))
-        else:
-            self.up_proj = nn.Parameter(torch.empty(num_experts, hidden, config.d_model))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, config.d_model, hidden))
-        if config.use_bias:
-            if gated:
-                self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * hidden))
-            else:
-                self.up_proj_bias = nn.Parameter(torch.empty(num_experts, hidden))
-            self.down_proj_bias = nn.Parameter(torch.empty(num_experts, config.d_model))
-        self.activation = ffn_activation(config)
-        self.activation_dropout = nn.Dropout(config.activation_dropout)
-
-    @property
-    def up_projection_name(self) -> str:
-        return "gate_up_proj" if self.has_gate else "up_proj"
-
-    def act_fn(self, up: torch.Tensor) -> torch.Tensor:
-        """Hidden activation of an ungated expert (the kernels call it by this name)."""
-        return self.activation_dropout(self.activation(up))
-
-    def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """Hidden activation of a gated expert: act(gate) * up (Shazeer 2020)."""
-        return self.activation_dropout(gated_activation(gate_up, self.activation))
-
-    def forward(
-        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
-    ) -> torch.Tensor:
-        """The eager path, one expert at a time: hidden_states (T, H), top_k_index and top_k_weights (T, k) -> (T, H),
-        each token's sum over its choices of weight * FFN_expert(x)."""
-        up_name = self.up_projection_name
-        output = torch.zeros_like(hidden_states)
-        for expert in top_k_index.unique().tolist():
-            token, choice = torch.where(top_k_index == expert)
-            up = nn.functional.linear(hidden_states[token], getattr(self, up_name)[expert], self._bias(up_name, expert))
-            hidden = self._apply_gate(up) if self.has_gate else self.act_fn(up)
-            expert_output = nn.functional.linear(hidden, self.down_proj[expert], self._bias("down_proj", expert))
-            output.index_add_(0, token, (expert_output * top_k_weights[token, choice, None]).to(output.dtype))
-        return output
-
-    def _bias(self, projection: str, expert: int) -> torch.Tensor | None:
-        return getattr(self, f"{projection}_bias")[expert] if self.has_bias else None
-
-
-class VanillaTransformerExperts(ExpertBank):
-    """The expert bank of one MoE layer. transformers' decorator fixes `has_gate`/`has_bias` per class, after
-    `__init__`; here they follow the config, so they are set once the decorated `__init__` has run."""
-
-    def __init__(self, config: VanillaTransformerConfig, num_experts: int, ffn_dim: int):
-        super().__init__(config, num_experts, ffn_dim)
-        self.has_gate = config.ffn_type in GATED_FFN_TYPES
-        self.has_bias = config.use_bias
-
-    def forward(
-        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
-    ) -> torch.Tensor:
-        if self._is_expert_parallel:
-            # Under expert parallelism `num_experts` counts this rank's experts, and a choice of another rank's expert
-            # comes as id `num_experts` with weight 0 (transformers' all-reduce dispatch): a local expert runs it and
-            # the weight drops its output, as in transformers' own experts kernels.
-            top_k_index = top_k_index.clamp(max=self.num_experts - 1)
-        return super().forward(hidden_states, top_k_index, top_k_weights)
-
-
 def build_mlp(config: VanillaTransformerConfig, stack: Stack, layer_idx: int) -> nn.Module:
     """The position-wise FFN of one layer (§3.3), or a Mixture of Experts in the layers `config.is_moe_layer` picks."""
     ffn_dim = config.encoder_ffn_dim if stack == "encoder" else config.decoder_ffn_dim
     if config.is_moe_layer(stack, layer_idx):
-        return VanillaTransformerSparseMoeBlock(config, ffn_dim, VanillaTransformerExperts)
+        return VanillaTransformerSparseMoeBlock(config, ffn_dim)
     return build_feed_forward(config, ffn_dim)
 
 
@@ -278,11 +201,9 @@ class VanillaTransformerDecoderLayer(VanillaTransformerLayer):
 
 
 __all__ = [
-    "ExpertBank",
     "VanillaTransformerAttention",
     "VanillaTransformerDecoderLayer",
     "VanillaTransformerEncoderLayer",
-    "VanillaTransformerExperts",
     "VanillaTransformerLayer",
     "build_mlp",
 ]

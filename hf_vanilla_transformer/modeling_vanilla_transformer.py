@@ -41,15 +41,15 @@ from .inputs_vanilla_transformer import (
     check_stack_inputs,
 )
 from .layers_vanilla_transformer import (
-    ExpertBank,
     VanillaTransformerAttention,
     VanillaTransformerDecoderLayer,
     VanillaTransformerEncoderLayer,
-    VanillaTransformerExperts,
 )
 from .moe_vanilla_transformer import (
+    SORTED_GROUPED_MM,
     MoeDecoderOutput,
     MoeEncoderOutput,
+    VanillaTransformerExperts,
     VanillaTransformerRouter,
     init_moe_weights,
 )
@@ -139,7 +139,7 @@ class VanillaTransformerPreTrainedModel(PreTrainedModel):
                 init.xavier_normal_(module.weight, gain=deepnorm_gain)  # DeepNet (Wang et al. 2022), Figure 2
             if module.bias is not None:
                 init.zeros_(module.bias)
-        elif isinstance(module, ExpertBank | VanillaTransformerRouter):
+        elif isinstance(module, VanillaTransformerExperts | VanillaTransformerRouter):
             init_moe_weights(module, self.config)
         elif isinstance(module, nn.Embedding):
             # N(0, 1/d_model): after the sqrt(d_model) scaling of §3.4 token vectors have unit variance (fairseq).
@@ -150,6 +150,18 @@ class VanillaTransformerPreTrainedModel(PreTrainedModel):
             init.ones_(module.weight)
             if getattr(module, "bias", None) is not None:
                 init.zeros_(module.bias)
+
+    def mark_tied_weights_as_initialized(self, loading_info) -> None:
+        # transformers marks every tied parameter as loaded before tying it to its source; a tied name that is the
+        # source's own parameter (the stacks hold the `shared` embedding module itself) would mark the source too, and
+        # a source missing from the checkpoint would then be neither loaded nor initialised: left on the meta device.
+        missing_aliased_sources = {
+            source
+            for target, source in self.all_tied_weights_keys.items()
+            if source in loading_info.missing_keys and self.get_parameter(target) is self.get_parameter(source)
+        }
+        super().mark_tied_weights_as_initialized(loading_info)
+        loading_info.missing_keys |= missing_aliased_sources
 
     def save_pretrained(self, save_directory, *args, **kwargs) -> None:
         # transformers writes the saved class's own Auto class into `auto_map` and copies its module (and the modules
@@ -191,9 +203,14 @@ class VanillaTransformerPreTrainedModel(PreTrainedModel):
 
     @classmethod
     def _can_set_experts_implementation(cls) -> bool:
-        # transformers greps the module of `cls` for "@use_experts_implementation"; the experts class lives in
-        # layers_vanilla_transformer.py, beside neither the models nor the heads, so the grep cannot see it.
+        # transformers greps the module of `cls` for "@use_experts_implementation"; the experts class lives with the
+        # router and the block in moe_vanilla_transformer.py, beside neither the models nor the heads.
         return True
+
+    def get_correct_experts_implementation(self, requested_experts: str | None) -> str:
+        # Asked for none, transformers picks its "grouped_mm"; ours makes the same grouped matmuls with fewer passes
+        # over the rows around them, and takes the expert sizes torch's grouped_mm kernel refuses.
+        return super().get_correct_experts_implementation(requested_experts or SORTED_GROUPED_MM)
 
 
 def check_parallelism(model: VanillaTransformerPreTrainedModel, distributed_config) -> None:

@@ -2,14 +2,13 @@
 
     router      p = softmax(x W_r)  in fp32; the top-k experts of each token, weights optionally renormalised
     block       y = sum_{e in top-k} p_e FFN_e(x)  (+ shared experts applied to every token, DeepSeekMoE)
+    experts     the E FFNs as 3D tensors in Mixtral's layout, run by the function `config._experts_implementation`
+                names (`@use_experts_implementation`): transformers' "eager", "batched_mm", "grouped_mm", ..., or
+                ours, "sorted_grouped_mm" (the default: the same grouped matmuls, fewer passes over the rows)
     capacity    with factor c, expert e serves at most ceil(c * tokens * k / E) tokens (GShard, Switch Transformer);
                 the rest skip it, so a token with no expert left keeps only its residual
     losses      balancing  E * sum_e f_e P_e per layer  (Switch Transformer eq. 4-6, mask-aware, Mixtral's function)
                 z-loss     mean_tokens (logsumexp x)^2   (ST-MoE eq. 5)
-
-The expert weights themselves (`VanillaTransformerExperts`, 3D tensors in Mixtral's layout, run by transformers'
-kernels through `@use_experts_implementation`) live with the layers in layers_vanilla_transformer; everything else is
-here.
 """
 
 import math
@@ -19,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import initialization as init
-from transformers.integrations.moe import ExpertsInterface, _grouped_linear
+from transformers.integrations.moe import ExpertsInterface, _grouped_linear, use_experts_implementation
 from transformers.modeling_outputs import (
     BaseModelOutput,
     BaseModelOutputWithPastAndCrossAttentions,
@@ -27,7 +26,8 @@ from transformers.modeling_outputs import (
 )
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
-from .configuration_vanilla_transformer import VanillaTransformerConfig
+from .configuration_vanilla_transformer import GATED_FFN_TYPES, VanillaTransformerConfig
+from .feed_forward_vanilla_transformer import ffn_activation
 from .packing_vanilla_transformer import PackedTokens
 
 
@@ -154,20 +154,36 @@ def looped_grouped_linear(
     return output if bias is None else output + bias
 
 
+def local_expert_ids(experts: nn.Module, top_k_index: torch.Tensor) -> torch.Tensor:
+    """Under expert parallelism `num_experts` counts this rank's experts, and a choice of another rank's expert comes
+    as id `num_experts` with weight 0 (transformers' all-reduce dispatch): a local expert runs it and the weight drops
+    its output, as in transformers' batched_mm."""
+    return top_k_index.clamp(max=experts.num_experts - 1) if experts._is_expert_parallel else top_k_index
+
+
+SORTED_GROUPED_MM = "sorted_grouped_mm"
+
+
 def sorted_grouped_mm_experts_forward(
     experts: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
-    """`grouped_mm` for our experts: transformers' `grouped_mm_experts_forward` (the (token, expert) assignments
-    sorted by expert, one grouped matmul per projection through the same `_grouped_linear` kernel dispatch) with
-    fewer passes over the (tokens * k, H) rows around the matmuls.
+    """"sorted_grouped_mm": transformers' `grouped_mm_experts_forward` (the (token, expert) assignments sorted by
+    expert, one grouped matmul per projection through the same `_grouped_linear` kernel dispatch) with fewer passes
+    over the (tokens * k, H) rows around the matmuls, and a looped kernel for the shapes torch's grouped_mm refuses.
 
     The sort order gives each row's token directly: rows are gathered with `index_select` and the weighted expert
     outputs summed back per token with `index_add` (whose backward is again an `index_select`), where transformers
     gathers by advanced indexing (whose backward zero-fills and scatters), un-permutes the outputs through the inverse
     permutation and sums a reshape. As there, the sum is taken in the routing weights' fp32 and cast once.
+    Registered in transformers' table, it is selectable for any model's experts: it refuses the post-expert norm
+    some have instead of skipping it.
     """
+    if experts.has_post_expert_norm:
+        raise NotImplementedError(
+            f'experts_implementation="{SORTED_GROUPED_MM}" does not run post-expert norms; use "grouped_mm".'
+        )
     num_tokens, top_k = top_k_index.shape
-    expert_ids, order = top_k_index.reshape(-1).sort()
+    expert_ids, order = local_expert_ids(experts, top_k_index).reshape(-1).sort()
     token = order // top_k  # the token of each row, rows in expert order
     expert_ends = torch.arange(1, experts.num_experts + 1, device=expert_ids.device)
     offsets = torch.searchsorted(expert_ids, expert_ends, out_int32=True)  # rows up to each expert's last, no sync
@@ -186,10 +202,78 @@ def sorted_grouped_mm_experts_forward(
     return combined.to(hidden_states.dtype)
 
 
-# The implementations `VanillaTransformerExperts` dispatches to on `config._experts_implementation`: transformers'
-# own, with `grouped_mm` replaced by ours. (`_grouped_linear` is private to transformers, whose version is pinned.)
-EXPERTS_FUNCTIONS = ExpertsInterface()
-EXPERTS_FUNCTIONS["grouped_mm"] = sorted_grouped_mm_experts_forward
+# Ours, by name, beside transformers' experts functions: `from_pretrained(..., experts_implementation=...)` and
+# `set_experts_implementation` accept the names of transformers' global table. (`_grouped_linear` is private to
+# transformers, whose version is pinned.)
+ExpertsInterface.register(SORTED_GROUPED_MM, sorted_grouped_mm_experts_forward)
+
+
+@use_experts_implementation
+class VanillaTransformerExperts(nn.Module):
+    """`num_experts` FFNs of `config.ffn_type` (§3.3 or a GLU variant) stored as 3D tensors in Mixtral's layout, so
+    that transformers' experts functions run them: gated types fuse [gate; up] in `gate_up_proj` (E, 2I, H), ungated
+    ones have `up_proj` (E, I, H); `down_proj` is (E, H, I); `*_bias` when `config.use_bias`. `forward` is the eager
+    implementation; the decorator dispatches on `config._experts_implementation`."""
+
+    def __init__(self, config: VanillaTransformerConfig, num_experts: int, ffn_dim: int):
+        super().__init__()
+        gated = config.ffn_type in GATED_FFN_TYPES
+        hidden = config.gated_hidden_size(ffn_dim) if gated else ffn_dim
+        self.num_experts = num_experts
+        if gated:
+            self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * hidden, config.d_model))
+        else:
+            self.up_proj = nn.Parameter(torch.empty(num_experts, hidden, config.d_model))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, config.d_model, hidden))
+        if config.use_bias:
+            if gated:
+                self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * hidden))
+            else:
+                self.up_proj_bias = nn.Parameter(torch.empty(num_experts, hidden))
+            self.down_proj_bias = nn.Parameter(torch.empty(num_experts, config.d_model))
+        self.activation = ffn_activation(config)
+        self.activation_dropout = nn.Dropout(config.activation_dropout)
+
+    # What the experts functions read. The decorator assigns one `has_gate` and `has_bias` to every instance of the
+    # class after `__init__`; here they follow the config, so they are read off the parameters and that is ignored.
+    has_gate = property(lambda self: "gate_up_proj" in self._parameters, lambda self, value: None)
+    has_bias = property(lambda self: "down_proj_bias" in self._parameters, lambda self, value: None)
+
+    @property
+    def up_projection_name(self) -> str:
+        return "gate_up_proj" if self.has_gate else "up_proj"
+
+    def act_fn(self, up: torch.Tensor) -> torch.Tensor:
+        """Hidden activation of an ungated expert (the experts functions call it by this name)."""
+        return self.activation_dropout(self.activation(up))
+
+    def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """Hidden activation of a gated expert: act(gate) * up (Shazeer 2020)."""
+        return self.activation_dropout(gated_activation(gate_up, self.activation))
+
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """The eager path, one expert at a time: hidden_states (T, H), top_k_index and top_k_weights (T, k) -> (T, H),
+        each token's sum over its choices of weight * FFN_expert(x).
+
+        It rounds where transformers' batched and grouped functions do, so that in bf16 or fp16 switching the
+        implementation does not change the outputs: the bias is added to the rounded product, and the sum is taken
+        in the routing weights' fp32 and cast once."""
+        up_name = self.up_projection_name
+        top_k_index = local_expert_ids(self, top_k_index)
+        output = hidden_states.new_zeros(hidden_states.shape, dtype=top_k_weights.dtype)
+        for expert in top_k_index.unique().tolist():
+            token, choice = torch.where(top_k_index == expert)
+            hidden = self._linear(hidden_states[token], up_name, expert)
+            hidden = self._apply_gate(hidden) if self.has_gate else self.act_fn(hidden)
+            expert_output = self._linear(hidden, "down_proj", expert)
+            output.index_add_(0, token, expert_output * top_k_weights[token, choice, None])
+        return output.to(hidden_states.dtype)
+
+    def _linear(self, inputs: torch.Tensor, projection: str, expert: int) -> torch.Tensor:
+        output = F.linear(inputs, getattr(self, projection)[expert])
+        return output + getattr(self, f"{projection}_bias")[expert] if self.has_bias else output
 
 
 class VanillaTransformerSparseMoeBlock(nn.Module):
@@ -201,16 +285,16 @@ class VanillaTransformerSparseMoeBlock(nn.Module):
     `dropped_tokens` holds the number of (token, expert) assignments the last forward dropped for lack of room.
     """
 
-    def __init__(self, config: VanillaTransformerConfig, ffn_dim: int, experts_class: type[nn.Module]):
+    def __init__(self, config: VanillaTransformerConfig, ffn_dim: int):
         super().__init__()
         self.num_experts = config.num_experts
         self.top_k = config.num_experts_per_tok
         self.capacity_factor = config.expert_capacity_factor
         self.gate = VanillaTransformerRouter(config)
-        self.experts = experts_class(config, config.num_experts, ffn_dim)
+        self.experts = VanillaTransformerExperts(config, config.num_experts, ffn_dim)
         # Shared experts (Dai et al. 2024, DeepSeekMoE): experts every token is sent to with weight 1.
         self.shared_experts = (
-            experts_class(config, config.num_shared_experts, ffn_dim) if config.num_shared_experts else None
+            VanillaTransformerExperts(config, config.num_shared_experts, ffn_dim) if config.num_shared_experts else None
         )
         self.dropped_tokens = None
 
@@ -459,8 +543,9 @@ class MoeCausalLMOutput(MoeCausalLMOutputWithPast):
 
 
 __all__ = [
-    "EXPERTS_FUNCTIONS",
+    "SORTED_GROUPED_MM",
     "RouterRequest",
+    "VanillaTransformerExperts",
     "with_router_gradient",
     "with_router_value",
     "VanillaTransformerRouter",
@@ -478,5 +563,6 @@ __all__ = [
     "load_balancing_loss",
     "router_logits_per_position",
     "router_z_loss",
+    "sorted_grouped_mm_experts_forward",
     "within_capacity",
 ]

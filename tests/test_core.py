@@ -6,18 +6,25 @@ import pytest
 import torch
 from conftest import CONFIG_ERRORS, padded_batch, tiny_config
 from reference_copy import copy_into_torch_transformer, embed, torch_transformer_logits
+from safetensors.torch import save_file
 from transformers import (
     AutoConfig,
     AutoModel,
     AutoModelForCausalLM,
     AutoModelForSeq2SeqLM,
     AutoModelForSequenceClassification,
+    CompileConfig,
     MarianConfig,
     MarianMTModel,
     get_linear_schedule_with_warmup,
 )
 
-from hf_vanilla_transformer import VanillaTransformerConfig, VanillaTransformerForConditionalGeneration
+from hf_vanilla_transformer import (
+    VanillaTransformerConfig,
+    VanillaTransformerForCausalLM,
+    VanillaTransformerForConditionalGeneration,
+    VanillaTransformerModel,
+)
 from hf_vanilla_transformer.positions_vanilla_transformer import sinusoidal_position_encoding
 
 
@@ -221,6 +228,26 @@ def test_static_cache_equals_dynamic_cache():
     assert torch.equal(dynamic, static)
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_causal_lm_static_cache_equals_dynamic_cache_on_right_padded_prompts(compiled):
+    """A static cache makes generate pass the forward a 4D mask, which hides the prompt's padding: a right-padded row
+    must still continue from where the dynamic cache continues it (the model's 0 at padding), eager or compiled
+    with fullgraph (aot_eager: inductor's trace without its C++ build)."""
+    torch.manual_seed(0)
+    model = VanillaTransformerForCausalLM(tiny_config(is_encoder_decoder=False, eos_token_id=None)).eval()
+    input_ids, mask = padded_batch()
+    settings = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, output_scores=True)
+    settings["return_dict_in_generate"] = True
+    dynamic = model.generate(input_ids, **settings)
+    compile_config = CompileConfig(fullgraph=True, backend="aot_eager")
+    compile_config._compile_all_devices = compiled  # generate compiles its steps on the CPU only when asked
+    torch._dynamo.reset()
+    static = model.generate(input_ids, cache_implementation="static", compile_config=compile_config, **settings)
+    assert hasattr(model, "_compiled_call") == compiled
+    assert torch.equal(static.sequences, dynamic.sequences)
+    torch.testing.assert_close(torch.stack(static.scores), torch.stack(dynamic.scores), atol=1e-5, rtol=1e-5)
+
+
 def test_sampling_with_top_k_1_or_tiny_top_p_is_greedy():
     model = seq2seq()
     input_ids, attention_mask = padded_batch()
@@ -328,6 +355,24 @@ def test_save_and_load_round_trip_keeps_weights_and_ties(tmp_path):
         model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=5),
         loaded.generate(input_ids, attention_mask=attention_mask, max_new_tokens=5),
     )
+
+
+@pytest.mark.parametrize(
+    "model_class, shared_key",
+    [(VanillaTransformerModel, "shared.weight"), (VanillaTransformerForConditionalGeneration, "model.shared.weight")],
+)
+def test_shared_embedding_missing_from_a_checkpoint_is_initialised_and_reported(tmp_path, model_class, shared_key):
+    """The stacks hold the shared embedding module itself, so its tied names are its own parameter: a checkpoint
+    without it must still get it initialised (not left on the meta device) and listed as missing."""
+    model_class(tiny_config()).save_pretrained(tmp_path)
+    save_file({"unrelated": torch.zeros(1)}, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    loaded, info = model_class.from_pretrained(tmp_path, output_loading_info=True)
+    assert [name for name, parameter in loaded.named_parameters() if parameter.is_meta] == []
+    assert shared_key in info["missing_keys"]
+    embedding = loaded.get_input_embeddings()
+    assert embedding is loaded.get_decoder().embed_tokens is loaded.get_encoder().embed_tokens
+    assert torch.equal(embedding.weight[embedding.padding_idx], torch.zeros(embedding.embedding_dim))
+    assert abs(embedding.weight.std().item() - embedding.embedding_dim**-0.5) < 0.05  # N(0, 1/d_model), as a new model
 
 
 @pytest.mark.parametrize(

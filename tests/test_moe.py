@@ -9,13 +9,18 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from unittest.mock import Mock, patch
 
 import pytest
 import torch
 import torch.nn.functional as F
 from conftest import padded_batch, tiny_config
 from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments, TrainerCallback
-from transformers.integrations.moe import grouped_mm_experts_forward
+from transformers.integrations.moe import (
+    ALL_EXPERTS_FUNCTIONS,
+    batched_mm_experts_forward,
+    grouped_mm_experts_forward,
+)
 
 from hf_vanilla_transformer import (
     VanillaTransformerForCausalLM,
@@ -23,8 +28,9 @@ from hf_vanilla_transformer import (
     VanillaTransformerForSequenceClassification,
 )
 from hf_vanilla_transformer.feed_forward_vanilla_transformer import ffn_activation
-from hf_vanilla_transformer.modeling_vanilla_transformer import VanillaTransformerExperts
 from hf_vanilla_transformer.moe_vanilla_transformer import (
+    SORTED_GROUPED_MM,
+    VanillaTransformerExperts,
     VanillaTransformerRouter,
     VanillaTransformerSparseMoeBlock,
     dropped_token_counts,
@@ -32,6 +38,7 @@ from hf_vanilla_transformer.moe_vanilla_transformer import (
     gated_activation,
     load_balancing_loss,
     router_z_loss,
+    sorted_grouped_mm_experts_forward,
     within_capacity,
 )
 from hf_vanilla_transformer.norms_vanilla_transformer import SublayerConnection
@@ -54,7 +61,7 @@ def block(experts_implementation: str = "eager", **overrides) -> VanillaTransfor
     config = moe_config(**overrides)
     config._experts_implementation = experts_implementation
     torch.manual_seed(0)
-    moe = VanillaTransformerSparseMoeBlock(config, config.encoder_ffn_dim, VanillaTransformerExperts)
+    moe = VanillaTransformerSparseMoeBlock(config, config.encoder_ffn_dim)
     for parameter in moe.parameters():
         torch.nn.init.normal_(parameter, std=0.3)
     return moe.eval()
@@ -187,11 +194,12 @@ def test_router_runs_in_fp32_in_a_bf16_model():
     ],
     ids=["swiglu-bias", "relu-shared", "geglu-capacity"],
 )
-def test_eager_and_grouped_mm_agree(overrides):
+@pytest.mark.parametrize("implementation", ["batched_mm", "grouped_mm", SORTED_GROUPED_MM])
+def test_eager_and_grouped_mm_agree(overrides, implementation):
     input_ids, attention_mask = padded_batch()
     results = []
-    for implementation in ["eager", "grouped_mm"]:
-        model = seq2seq(implementation, **overrides)
+    for experts_implementation in ("eager", implementation):
+        model = seq2seq(experts_implementation, **overrides)
         out = model(input_ids=input_ids, attention_mask=attention_mask, labels=input_ids)
         out.loss.backward()
         grads = {name: p.grad for name, p in model.named_parameters() if "experts" in name or ".gate." in name}
@@ -203,10 +211,83 @@ def test_eager_and_grouped_mm_agree(overrides):
         torch.testing.assert_close(grouped_grads[name], eager_grads[name], rtol=1e-4, atol=1e-5, msg=name)
 
 
+EXPERTS_FUNCTIONS = {
+    "batched_mm": batched_mm_experts_forward,
+    "grouped_mm": grouped_mm_experts_forward,
+    SORTED_GROUPED_MM: sorted_grouped_mm_experts_forward,
+}
+
+
+@pytest.mark.parametrize("implementation", ["eager", *EXPERTS_FUNCTIONS, None])
+def test_each_experts_implementation_runs_its_function(tmp_path, implementation):
+    """The name given to `from_pretrained` or `set_experts_implementation` runs its function and no other: transformers'
+    own under their names (as for Mixtral), ours under its own; none given, ours. The functions are spied on in
+    transformers' table, as its common test does."""
+    seq2seq().save_pretrained(tmp_path)
+    input_ids, attention_mask = padded_batch()
+    spies = {name: Mock(wraps=function) for name, function in EXPERTS_FUNCTIONS.items()}
+    load_kwargs = {} if implementation is None else {"experts_implementation": implementation}
+    with patch.dict(ALL_EXPERTS_FUNCTIONS._global_mapping, spies):
+        loaded = VanillaTransformerForConditionalGeneration.from_pretrained(tmp_path, **load_kwargs)
+        switched = seq2seq("eager")
+        switched.set_experts_implementation(implementation or SORTED_GROUPED_MM)
+        for model in (loaded, switched):
+            model(input_ids=input_ids, attention_mask=attention_mask, decoder_input_ids=input_ids)
+            expected = implementation or SORTED_GROUPED_MM
+            assert model.config._experts_implementation == expected
+            assert {name for name, spy in spies.items() if spy.called} == ({expected} - {"eager"})
+            for spy in spies.values():
+                spy.reset_mock()
+
+
+def test_sorted_grouped_mm_refuses_what_it_does_not_run():
+    """Registered in transformers' table, ours can be chosen for any model's experts: it refuses a post-expert norm
+    (which some models' experts have) instead of skipping it."""
+    moe = block(SORTED_GROUPED_MM)
+    moe.experts.has_post_expert_norm = True
+    with pytest.raises(NotImplementedError, match="post-expert norms"):
+        moe(torch.randn(4, 32))
+
+
+@pytest.mark.parametrize("implementation", ["eager", *EXPERTS_FUNCTIONS])
+def test_choices_of_another_ranks_experts_add_nothing_under_expert_parallelism(implementation):
+    """Under expert parallelism a choice of an expert held by another rank reaches this rank's experts as id
+    `num_experts` with weight 0 (transformers' dispatch): every implementation drops it."""
+    moe = block(implementation)
+    hidden = torch.randn(6, 32)
+    _, top_k_weights, top_k_index = moe.gate(hidden)
+    top_k_weights = top_k_weights.detach().clone()
+    top_k_weights[::2, 1] = 0.0
+    with torch.no_grad():
+        expected = moe.experts(hidden, top_k_index, top_k_weights)
+        moe.experts._is_expert_parallel = True
+        top_k_index[::2, 1] = moe.experts.num_experts
+        torch.testing.assert_close(moe.experts(hidden, top_k_index, top_k_weights), expected)
+
+
+def test_unknown_experts_implementation_is_refused_with_the_valid_names():
+    with pytest.raises(ValueError, match=f'experts_implementation="{SORTED_GROUPED_MM}"'):  # among the valid names
+        seq2seq().set_experts_implementation("sorted_grouped")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("ffn_type", ["relu", "swiglu"])
+def test_half_precision_eager_experts_round_as_the_grouped_functions(dtype, ffn_type):
+    """In bf16 and fp16 the eager loop rounds where the grouped functions do (bias added to the rounded product, the
+    k choices summed in fp32 and cast once): switching between them changes no output."""
+    moe = block(ffn_type=ffn_type).to(dtype)
+    hidden = torch.randn(64, 32, dtype=dtype)
+    _, top_k_weights, top_k_index = moe.gate(hidden)
+    with torch.no_grad():
+        eager = moe.experts(hidden, top_k_index, top_k_weights)
+        for function in (grouped_mm_experts_forward, sorted_grouped_mm_experts_forward):
+            assert torch.equal(function(moe.experts, hidden, top_k_index, top_k_weights), eager), function.__name__
+
+
 @pytest.mark.parametrize("ffn_type", ["swiglu", "gelu"])
 def test_our_grouped_mm_is_transformers_grouped_mm(ffn_type):
-    """Our `grouped_mm` (sorted once, index_select / index_add) computes transformers' function, biases included."""
-    moe = block("grouped_mm", ffn_type=ffn_type, num_experts_per_tok=3)
+    """Our grouped_mm (sorted once, index_select / index_add) computes transformers' function, biases included."""
+    moe = block(SORTED_GROUPED_MM, ffn_type=ffn_type, num_experts_per_tok=3)
     hidden, grad_output = torch.randn(40, 32), torch.randn(40, 32)
     _, top_k_weights, top_k_index = moe.gate(hidden)
     results = []

@@ -255,3 +255,29 @@ def test_padded_computation_returns_zeros_at_the_padding_too(variant):
     assert padded_out.last_hidden_state[decoder_mask == 0].abs().max() == 0
     torch.testing.assert_close(packed_out.encoder_last_hidden_state, padded_out.encoder_last_hidden_state)
     torch.testing.assert_close(packed_out.last_hidden_state, padded_out.last_hidden_state)
+
+
+@pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
+def test_bfloat16_packed_sequences_equal_the_left_padded_batch(attn_implementation):
+    """Sequences packed in one row (position_ids restarting at 0, as `DataCollatorWithFlattening` gives them) and the
+    same sequences as a left-padded batch, in bf16. Every position-wise step is the same arithmetic on the same rows:
+    with eager attention the logits are equal bit for bit. torch's CPU sdpa kernel blocks its sums by the layout, so
+    there they may differ by a step of bf16 rounding relative to the largest logit (~0.8%), as Llama's do; with the
+    paper's initialisation the logits are of order 1, where that step is larger than transformers' common test allows
+    in absolute terms (bf16 epsilon), where Llama's test config keeps its logits below 0.5."""
+    torch.manual_seed(0)
+    config = tiny_config(is_encoder_decoder=False, attn_implementation=attn_implementation)
+    model = VanillaTransformerForCausalLM._from_config(config, dtype=torch.bfloat16).eval()
+    lengths = [7, 5, 3, 1]
+    input_ids = torch.randint(3, 64, (len(lengths), 7), generator=torch.Generator().manual_seed(0))
+    attention_mask = (torch.arange(7) >= 7 - torch.tensor(lengths)[:, None]).long()  # left padding
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    packed_positions = torch.cat([torch.arange(length) for length in lengths])[None]
+    with torch.no_grad():
+        padded = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+        packed = model(input_ids=input_ids[attention_mask.bool()][None], position_ids=packed_positions).logits[0]
+    padded = padded[attention_mask.bool()].float()
+    if attn_implementation == "eager":
+        assert torch.equal(packed.float(), padded)
+    else:
+        torch.testing.assert_close(packed.float(), padded, rtol=0, atol=2e-2 * padded.abs().max().item())

@@ -67,8 +67,9 @@ class RunArguments:
     overwrite_output_dir: bool = field(
         default=False,
         metadata={
-            "help": "Start a new run in an --output_dir that holds another one, removing its checkpoints and weights. "
-            "Without it such a folder is refused, and the same command run again resumes its own run."
+            "help": "Start a new run in an --output_dir that holds another run (or other files), removing its "
+            "checkpoints and weights first; without it such a folder is refused. The same command run again always "
+            "resumes its own run."
         },
     )
     max_train_minutes: float | None = field(
@@ -164,8 +165,6 @@ def prepare_output_dir(arguments: tuple[Any, ...]) -> None:
     output_dir, current = Path(training_args.output_dir), run_record(arguments)
     world_size, main_process = training_args.world_size, training_args.process_index == 0
     with training_args.main_process_first(desc="checking the output directory"):
-        if training_args.overwrite_output_dir and main_process and output_dir.is_dir():
-            remove_run_outputs(output_dir)
         recorded = read_run_record(output_dir)
         if training_args.resume_from_checkpoint is not None:
             pass  # the user's choice of checkpoint continues a run here, with these arguments from now on
@@ -177,13 +176,16 @@ def prepare_output_dir(arguments: tuple[Any, ...]) -> None:
                 logger.info("%s holds this run: resuming from %s", output_dir, complete[-1].name)
                 training_args.resume_from_checkpoint = str(complete[-1])
         elif output_dir.is_dir() and any(output_dir.iterdir()):
-            held = f"another run ({differences(recorded, current)})" if recorded else f"files but no {RUN_RECORD}"
-            complete = complete_checkpoints(output_dir, world_size) if recorded else []
-            resume = f", or --resume_from_checkpoint {complete[-1]} to continue that run with these arguments"
-            raise ValueError(
-                f"--output_dir {output_dir} holds {held}. Pass --overwrite_output_dir to replace it (its checkpoints "
-                f"and weights are removed), another --output_dir{resume if complete else ''}."
-            )
+            if not training_args.overwrite_output_dir:
+                held = f"another run ({differences(recorded, current)})" if recorded else f"files but no {RUN_RECORD}"
+                complete = complete_checkpoints(output_dir, world_size) if recorded else []
+                resume = f", or --resume_from_checkpoint {complete[-1]} to continue that run" if complete else ""
+                raise ValueError(
+                    f"--output_dir {output_dir} holds {held}. Pass --overwrite_output_dir to replace it (its "
+                    f"checkpoints and weights are removed), another --output_dir{resume}."
+                )
+            if main_process:
+                remove_run_outputs(output_dir)
         if main_process:
             write_run_record(output_dir, current)
 
@@ -198,11 +200,11 @@ class RunTracker(TrainerCallback, ExportableState):
         max_train_minutes: float | None = None,
         eval_every_minutes: float | None = None,
         save_every_minutes: float | None = None,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] | None = None,
     ):
         self.max_train_minutes = max_train_minutes
         self.every_minutes = {"evaluate": eval_every_minutes, "save": save_every_minutes}
-        self.clock = clock
+        self.clock = clock or time.monotonic
         self.run_id = uuid.uuid4().hex
         self.train_seconds = 0.0  # training time before this process started (or resumed) training
         self.started_at: float | None = None

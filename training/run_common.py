@@ -46,6 +46,8 @@ DEMO_SIZES = dict(
 )
 PRESET_NAMES = [*PRESETS, DEMO_PRESET]
 
+BLEU_PLOT = "bleu_against_minutes.png"
+
 # File extension -> the `datasets` builder that reads it.
 DATA_FILE_BUILDERS = {"json": "json", "jsonl": "json", "csv": "csv", "tsv": "csv", "parquet": "parquet", "txt": "text"}
 
@@ -380,6 +382,34 @@ def plot_training_curves(log_history: list[dict[str, float]], path: str | Path) 
     return Path(path)
 
 
+def plot_bleu_against_minutes(
+    log_history: list[dict[str, float]], metrics: dict[str, float], path: Path
+) -> Path | None:
+    """Validation BLEU of the evaluations during training and of the kept weights against the training minutes, and
+    the test BLEU of the kept weights at the end, as a PNG; None without evaluations during training."""
+    end = next((i for i, entry in enumerate(log_history) if "train_runtime" in entry), len(log_history))
+    points = [(entry["train_minutes"], entry["eval_bleu"]) for entry in log_history[:end] if "eval_bleu" in entry]
+    if not points:
+        return None
+    if "eval_bleu" in metrics and "train_minutes" in metrics:  # the kept weights, after training
+        points.append((metrics["train_minutes"], metrics["eval_bleu"]))
+    figure, axis = plt.subplots(figsize=(6, 4))
+    axis.plot(*zip(*points), "o-", label="validation BLEU during training")
+    if "test_bleu" in metrics:
+        label = f"test BLEU of the kept weights ({metrics['test_bleu']:.1f})"
+        axis.plot(
+            [metrics.get("train_minutes", points[-1][0])], [metrics["test_bleu"]], "*", markersize=12, label=label
+        )
+    axis.set_xlabel("training minutes")
+    axis.set_ylabel("sacreBLEU (cased)")
+    axis.grid(alpha=0.3)
+    axis.legend(loc="lower right")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return path
+
+
 def schedule_description(training_args: Any) -> str:
     """The learning-rate schedule of a run, for its model card: the Noam schedule (§5.3) or the Trainer's."""
     if training_args.noam_schedule:
@@ -388,12 +418,15 @@ def schedule_description(training_args: Any) -> str:
 
 
 def save_run(trainer: Trainer, metrics: dict[str, float], dataset: str, card_args: dict[str, Any]) -> None:
-    """Model, tokenizer and code files, then the model card with metrics and the training plot (main process)."""
+    """Model, tokenizer and code files, then the model card with metrics and the training plots (main process): the
+    test split's metrics when there are any, else the validation split's."""
     trainer.save_model()
     if not trainer.is_world_process_zero():
         return
     output_dir = Path(trainer.args.output_dir)
     plot = plot_training_curves(trainer.state.log_history, output_dir / "training_curves.png")
+    if plot_bleu_against_minutes(trainer.state.log_history, metrics, output_dir / BLEU_PLOT):
+        card_args["description"] += f"\n\nBLEU against training minutes:\n\n![BLEU against minutes]({BLEU_PLOT})"
     split = "test" if any(name.startswith("test_") for name in metrics) else "eval"  # the card reports one split
     keep = [f"{split}_{name}" for name in ("bleu", "bleu_lowercase", "chrf", "loss", "perplexity")]
     results = {name: metrics[name] for name in keep if name in metrics and math.isfinite(metrics[name])}

@@ -246,11 +246,13 @@ class RunTracker(TrainerCallback, ExportableState):
 
     def on_step_end(self, args, state, control, **kwargs):
         elapsed = self.elapsed_seconds()
+        stop = self.max_train_minutes is not None and elapsed >= 60 * self.max_train_minutes
         for action, at in self.next_at.items():
             if elapsed >= at:
-                setattr(control, f"should_{action}", True)
                 self.next_at[action] = self.next_time(action, elapsed)
-        if self.max_train_minutes is not None and elapsed >= 60 * self.max_train_minutes:
+                if not (stop and action == "evaluate"):  # the evaluation after training comes next anyway
+                    setattr(control, f"should_{action}", True)
+        if stop:
             logger.info("The %s-minute time budget ends training at step %d", self.max_train_minutes, state.global_step)
             control.should_training_stop = True
             control.should_save = args.save_strategy != SaveStrategy.NO
@@ -291,7 +293,12 @@ def keep_last_or_averaged_weights(trainer: Trainer, evaluate: Callable[[], dict[
     args = trainer.args
     if trainer.is_fsdp_enabled:
         raise ValueError("--average_last_checkpoints loads whole weights into the model, which FSDP shards.")
-    checkpoints = last_checkpoints(args.output_dir, args.average_last_checkpoints)
+    last_k = min(args.average_last_checkpoints, len(complete_checkpoints(args.output_dir)))
+    if last_k < args.average_last_checkpoints:  # a time budget ran out before k checkpoints were saved
+        logger.warning("Only %d checkpoints to average, not %d", last_k, args.average_last_checkpoints)
+    if last_k < 2:
+        return (evaluate() if args.do_eval else {}) | {"averaged_checkpoints": 1}
+    checkpoints = last_checkpoints(args.output_dir, last_k)
     averaged = averaged_weights(checkpoints)
     logger.info("Averaging %s", [path.name for path in checkpoints])
     if not args.do_eval:

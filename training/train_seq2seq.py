@@ -282,6 +282,12 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     description = "Trained with `training/train_seq2seq.py` of hf_vanilla_transformer" + (
         " on the built-in English -> German number-sentence demo data." if dataset_label == DEMO_DATASET else "."
     )
+    if training_args.do_predict:
+        test = Path(data_args.test_file).name if data_args.test_file else "the dataset's test split"
+        description += f" The results are on the test set ({test}), decoded once after the validation set chose the "
+        description += (
+            "weights; BLEU is sacreBLEU's default (cased, 13a tokenization), bleu_lowercase the same lowercased."
+        )
     save_run(trainer, metrics, dataset_label, dict(training_args=recipe, language=language, description=description))
     if training_args.push_to_hub:
         trainer.push_to_hub()

@@ -165,17 +165,18 @@ def prepare_output_dir(arguments: tuple[Any, ...]) -> None:
     output_dir, current = Path(training_args.output_dir), run_record(arguments)
     world_size, main_process = training_args.world_size, training_args.process_index == 0
     with training_args.main_process_first(desc="checking the output directory"):
-        recorded = read_run_record(output_dir)
-        if training_args.resume_from_checkpoint is not None:
-            pass  # the user's choice of checkpoint continues a run here, with these arguments from now on
-        elif recorded == current:
+        recorded, chosen = read_run_record(output_dir), training_args.resume_from_checkpoint
+        holds_files = output_dir.is_dir() and any(path.name != RUN_RECORD for path in output_dir.iterdir())
+        if chosen is not None and (not holds_files or Path(chosen).resolve().parent == output_dir.resolve()):
+            pass  # the user's checkpoint continues its run here, with these arguments from now on
+        elif chosen is None and recorded == current:
             if main_process:
                 remove_interrupted_checkpoints(output_dir, world_size)
             complete = complete_checkpoints(output_dir, world_size)
             if complete:
                 logger.info("%s holds this run: resuming from %s", output_dir, complete[-1].name)
                 training_args.resume_from_checkpoint = str(complete[-1])
-        elif output_dir.is_dir() and any(output_dir.iterdir()):
+        elif holds_files:
             if not training_args.overwrite_output_dir:
                 held = f"another run ({differences(recorded, current)})" if recorded else f"files but no {RUN_RECORD}"
                 complete = complete_checkpoints(output_dir, world_size) if recorded else []

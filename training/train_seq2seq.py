@@ -4,10 +4,14 @@ Defaults follow Vaswani et al. 2017: label smoothing 0.1 (§5.4), Adam(0.9, 0.98
 4000 warm-up steps (§5.3), and evaluation with beam 4, the GNMT length penalty alpha = 0.6 and a maximum output length
 of input length + 50 (§6.1), scored with BLEU and chrF (sacrebleu).
 
-Data: a Hub dataset (--dataset_name), local files (--train_file/--validation_file), or, with neither, the built-in
-English -> German number-sentence demo (training/demo_data.py). Examples:
+Data: a Hub dataset (--dataset_name), local files (--train_file/--validation_file/--test_file), or, with neither, the
+built-in English -> German number-sentence demo (training/demo_data.py). A run's folder, time budget and final
+weights (resuming, --overwrite_output_dir, --max_train_minutes, --average_last_checkpoints): training/run_control.py.
+Examples:
 
-    python training/train_seq2seq.py --output_dir out/demo --preset demo-small --do_train --do_eval
+    python training/train_seq2seq.py --output_dir out/demo --preset demo-small --do_train --do_eval \
+        --max_steps 600 --warmup_steps 200 --per_device_train_batch_size 64
+    bash training/recipes/multi30k_en_de.sh ../shared/data/multi30k out/multi30k   # a time budget, then averaging
     python training/train_seq2seq.py --output_dir out/wmt --dataset_name wmt14 --dataset_config_name de-en \\
         --source_lang en --target_lang de --tokenizer_vocab_size 37000 --do_train --do_eval --max_steps 100000
     accelerate launch --config_file training/accelerate_configs/ddp.yaml training/train_seq2seq.py ...

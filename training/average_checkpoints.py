@@ -1,13 +1,17 @@
 """Average the weights of the last k checkpoints of a run (paper §6.1: the last 5 for base models, 20 for big).
 
-Checkpoints are the `checkpoint-<step>` directories the Trainer writes (keep enough with --save_total_limit). The
-output directory is a copy of the newest checkpoint's model files (config, tokenizer, code) with averaged weights,
-loadable with `from_pretrained` like any saved model.
+Checkpoints are the `checkpoint-<step>` directories the Trainer writes (keep enough with --save_total_limit). Only
+complete checkpoints count (a save that was interrupted leaves no `trainer_state.json`, which the Trainer writes
+last), and only checkpoints of one run: the training scripts stamp each checkpoint with their run's id, and
+checkpoints with different ids are never averaged together. The output directory is a copy of the newest
+checkpoint's model files (config, tokenizer, code) with averaged weights, loadable with `from_pretrained` like any
+saved model.
 
     python training/average_checkpoints.py --run_dir out/demo --last_k 5 --output_dir out/demo-averaged
 """
 
 import argparse
+import json
 import re
 import shutil
 from pathlib import Path
@@ -15,21 +19,60 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, safe_open, save_file
 
-TRAINING_STATE_FILES = ("optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json", "training_args.bin")
+# What a checkpoint holds besides the model: not copied into the averaged model (rng_state*.pth: one per process).
+TRAINING_STATE_FILES = ("optimizer.pt", "scheduler.pt", "trainer_state.json", "training_args.bin", "rng_state")
+TRAINER_STATE = "trainer_state.json"
+RUN_TRACKER = "RunTracker"  # the training scripts' callback (run_common.RunTracker) that stamps the run id
+
+
+def checkpoint_step(path: Path) -> int | None:
+    match = re.fullmatch(r"checkpoint-(\d+)", path.name)
+    return int(match.group(1)) if match and path.is_dir() else None
+
+
+def trainer_state(checkpoint: Path) -> dict | None:
+    """The checkpoint's trainer_state.json, or None where it is missing or cut short."""
+    try:
+        return json.loads((checkpoint / TRAINER_STATE).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def is_complete(checkpoint: Path, world_size: int = 1) -> bool:
+    """The Trainer writes a checkpoint's weights, optimizer, scheduler and RNG states before its trainer_state.json,
+    so a state that parses and names the folder's step marks a save that finished (with several processes, each
+    process's RNG state must be there too: the others write theirs alongside the main process)."""
+    state = trainer_state(checkpoint)
+    if state is None or state.get("global_step") != checkpoint_step(checkpoint):
+        return False
+    return world_size == 1 or all((checkpoint / f"rng_state_{rank}.pth").is_file() for rank in range(world_size))
+
+
+def run_id(checkpoint: Path) -> str | None:
+    """The id of the run that saved the checkpoint (None for checkpoints of other scripts)."""
+    callback = (trainer_state(checkpoint) or {}).get("stateful_callbacks", {}).get(RUN_TRACKER, {})
+    return callback.get("attributes", {}).get("run_id")
+
+
+def complete_checkpoints(run_dir: str | Path, world_size: int = 1) -> list[Path]:
+    """The complete checkpoint directories of `run_dir`, oldest first."""
+    steps = {checkpoint_step(path): path for path in Path(run_dir).iterdir()}
+    steps.pop(None, None)
+    return [steps[step] for step in sorted(steps) if is_complete(steps[step], world_size)]
 
 
 def last_checkpoints(run_dir: str | Path, last_k: int) -> list[Path]:
-    """The `last_k` checkpoint directories of `run_dir` with the highest step numbers, oldest first."""
+    """The `last_k` complete checkpoints of `run_dir` with the highest step numbers, oldest first, all of one run."""
     if last_k < 1:
         raise ValueError(f"last_k must be at least 1, got {last_k}.")
-    steps = {}
-    for path in Path(run_dir).iterdir():
-        match = re.fullmatch(r"checkpoint-(\d+)", path.name)
-        if match and path.is_dir():
-            steps[int(match.group(1))] = path
-    if len(steps) < last_k:
-        raise ValueError(f"{run_dir} has {len(steps)} checkpoints, fewer than last_k={last_k}.")
-    return [steps[step] for step in sorted(steps)[-last_k:]]
+    checkpoints = complete_checkpoints(run_dir)
+    if len(checkpoints) < last_k:
+        raise ValueError(f"{run_dir} has {len(checkpoints)} complete checkpoints, fewer than last_k={last_k}.")
+    checkpoints = checkpoints[-last_k:]
+    runs = {path.name: run_id(path) for path in checkpoints}
+    if len(set(runs.values())) > 1:
+        raise ValueError(f"The last {last_k} checkpoints of {run_dir} come from different runs (run ids {runs}).")
+    return checkpoints
 
 
 def average_state_dicts(state_dicts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -50,16 +93,31 @@ def average_state_dicts(state_dicts: list[dict[str, torch.Tensor]]) -> dict[str,
     return averaged
 
 
+def weight_shards(checkpoint: Path) -> list[Path]:
+    shards = sorted(checkpoint.glob("*.safetensors"))
+    if not shards:
+        raise ValueError(f"{checkpoint} holds no *.safetensors weights.")
+    return shards
+
+
+def checkpoint_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """All the checkpoint's weight shards as one state dict."""
+    return {name: tensor for shard in weight_shards(checkpoint) for name, tensor in load_file(str(shard)).items()}
+
+
+def averaged_weights(checkpoints: list[Path]) -> dict[str, torch.Tensor]:
+    """The averaged weights in memory (for a model that is in memory anyway)."""
+    return average_state_dicts([checkpoint_weights(checkpoint) for checkpoint in checkpoints])
+
+
 def average_checkpoints(checkpoints: list[Path], output_dir: str | Path) -> Path:
     """Write the averaged model to `output_dir` and return it. Works shard by shard (`*.safetensors`)."""
     newest = checkpoints[-1]
-    shards = sorted(newest.glob("*.safetensors"))
-    if not shards:
-        raise ValueError(f"{newest} holds no *.safetensors weights.")
+    shards = weight_shards(newest)
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     for path in newest.iterdir():  # config, generation config, tokenizer, code files, shard index
-        if path.is_file() and path.suffix != ".safetensors" and path.name not in TRAINING_STATE_FILES:
+        if path.is_file() and path.suffix != ".safetensors" and not path.name.startswith(TRAINING_STATE_FILES):
             shutil.copy(path, output_dir / path.name)
     for shard in shards:
         with safe_open(str(shard), framework="pt") as file:

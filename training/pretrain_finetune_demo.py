@@ -35,7 +35,8 @@ ROUTES = {  # route -> (pretraining script, its block/length flag, the classifie
     "gpt": (train_causal_lm, "--block_size", "decoder"),
     "bert": (train_masked_lm, "--max_seq_length", "encoder"),
 }
-COMMON_FLAGS = ["--report_to", "none", "--save_strategy", "no", "--dataloader_pin_memory", "false"]
+# The demo's own folders: a run of the demo with other settings replaces the runs of the last one.
+COMMON_FLAGS = ["--report_to", "none", "--save_strategy", "no", "--overwrite_output_dir", "true"]
 # How each classifier starts: from the pretrained checkpoint with its stack frozen, or fine-tuning all of it, or anew.
 INITS = {"frozen": ("pretrained", True), "fine-tuned": ("pretrained", False), "scratch": (None, False)}
 COLUMN_TITLES = {"frozen": "Frozen features", "fine-tuned": "Full fine-tuning", "scratch": "From scratch"}

@@ -21,6 +21,8 @@ import transformers  # noqa: E402
 from accelerate import ParallelismConfig, PartialState  # noqa: E402
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin  # noqa: E402
 from datasets import DatasetDict, load_dataset  # noqa: E402
+from huggingface_hub.errors import StrictDataclassError  # noqa: E402
+from run_control import train_and_evaluate  # noqa: E402
 from torch.distributed.fsdp import FSDPModule  # noqa: E402
 from torch.optim.lr_scheduler import LambdaLR  # noqa: E402
 from transformers import HfArgumentParser, PreTrainedTokenizerBase, Trainer, set_seed  # noqa: E402
@@ -29,6 +31,8 @@ from transformers.distributed import DistributedConfig  # noqa: E402
 from hf_vanilla_transformer import VanillaTransformerConfig  # noqa: E402
 from hf_vanilla_transformer.configuration_vanilla_transformer import PRESETS  # noqa: E402
 from hf_vanilla_transformer.model_card_vanilla_transformer import write_model_card  # noqa: E402
+
+logger = logging.getLogger(__name__)
 
 # A model small enough to learn the demo task in a few CPU minutes; a script-level size, not a package preset.
 DEMO_PRESET = "demo-small"
@@ -43,6 +47,8 @@ DEMO_SIZES = dict(
     dropout=0.1,
 )
 PRESET_NAMES = [*PRESETS, DEMO_PRESET]
+
+BLEU_PLOT = "bleu_against_minutes.png"
 
 # File extension -> the `datasets` builder that reads it.
 DATA_FILE_BUILDERS = {"json": "json", "jsonl": "json", "csv": "csv", "tsv": "csv", "parquet": "parquet", "txt": "text"}
@@ -119,10 +125,26 @@ def noam_scheduler(optimizer, d_model: int, warmup_steps: int) -> LambdaLR:
     return LambdaLR(optimizer, lambda step: noam_learning_rate(step + 1, d_model, warmup_steps))
 
 
+def warn_if_warmup_outlasts_run(warmup: int, num_training_steps: int) -> None:
+    """A warm-up longer than half the run keeps the learning rate below its peak for most of it (a run shorter than
+    its warm-up never reaches the peak) and the model learns little: say so before training."""
+    if warmup > num_training_steps / 2:
+        logger.warning(
+            "The learning-rate warm-up (%d steps) is longer than half of this run (%d optimizer steps): the rate stays "
+            "below its peak for most of the run and the model may learn little. Pass a shorter --warmup_steps (a value "
+            "below 1 is a share of the run, e.g. 0.1) or a larger --max_steps.",
+            warmup,
+            num_training_steps,
+        )
+
+
 class NoamTrainerMixin(Trainer):
-    """A Trainer whose scheduler is the paper's Noam schedule when `args.noam_schedule` is set."""
+    """A Trainer whose scheduler is the paper's Noam schedule when `args.noam_schedule` is set; either schedule warns
+    when its warm-up outlasts half the run."""
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
+        if self.lr_scheduler is None:
+            warn_if_warmup_outlasts_run(self.args.get_warmup_steps(num_training_steps), num_training_steps)
         if not self.args.noam_schedule:
             return super().create_scheduler(num_training_steps, optimizer)
         if self.lr_scheduler is None:
@@ -133,12 +155,27 @@ class NoamTrainerMixin(Trainer):
         return self.lr_scheduler
 
 
-def run_ranks_on_cpu_without_accelerator() -> None:
-    """Call before the TrainingArguments are parsed. `accelerate launch` with the DDP/FSDP configs (and torchrun)
-    start ranks that Accelerate joins into one job on CPU (gloo) only when told to use the CPU; on a machine without
-    a GPU or other accelerator each rank would otherwise train alone on its own copy of the data."""
-    if "LOCAL_RANK" in os.environ and not torch.accelerator.is_available():
+def configure_processes() -> None:
+    """Call before the TrainingArguments are parsed, on a machine without a GPU or other accelerator.
+
+    `accelerate launch` with the DDP/FSDP configs (and torchrun) start ranks that Accelerate joins into one job on
+    CPU (gloo) only when told to use the CPU; each rank would otherwise train alone on its own copy of the data.
+    `accelerate launch --cpu --num_processes N` (or --num_processes N without a config on such a machine) starts one
+    process, which would train alone: stop and say what starts N. DeepSpeed, which Accelerate imports whenever it is
+    installed, logs "Setting accelerator to CPU" unless told the accelerator it would detect.
+    """
+    if torch.accelerator.is_available():
+        return
+    if "ACCELERATE_USE_CPU" in os.environ and "MASTER_PORT" in os.environ and "WORLD_SIZE" not in os.environ:
+        raise ValueError(
+            "`accelerate launch --cpu` starts a single process whatever --num_processes says (its multi-CPU mode "
+            "runs through mpirun). For N processes on this machine pass `--multi_gpu --num_processes N` instead of "
+            "`--cpu`: without a GPU the ranks run on the CPU (gloo), e.g. `accelerate launch --multi_gpu "
+            "--num_processes 2 --mixed_precision no training/train_seq2seq.py ...`."
+        )
+    if "LOCAL_RANK" in os.environ:
         os.environ.setdefault("ACCELERATE_USE_CPU", "true")
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
 def requested_by_launcher(variable: str) -> bool:
@@ -254,34 +291,49 @@ def parse_config_overrides(overrides: str | None) -> dict[str, Any]:
     return parsed
 
 
-def new_model_config(model_args: ModelArguments, tokenizer: PreTrainedTokenizerBase, **fields) -> Any:
-    """A config from the preset and overrides, sized to the tokenizer and using its special-token ids."""
+def new_model_config(model_args: ModelArguments, tokenizer: PreTrainedTokenizerBase | None, **fields) -> Any:
+    """A config from the preset and overrides, sized to the tokenizer and using its special-token ids (without a
+    tokenizer: --tokenizer_vocab_size and train_tokenizer.py's ids, to check the arguments before any data work)."""
     if model_args.preset not in PRESET_NAMES:
         raise ValueError(f"--preset {model_args.preset!r} is not one of {PRESET_NAMES}.")
-    start_id = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.pad_token_id
-    token_fields = dict(
-        vocab_size=len(tokenizer),
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=start_id,
-        eos_token_id=tokenizer.eos_token_id,
-        decoder_start_token_id=start_id,
-    )
+    if tokenizer is None:
+        token_fields = dict(vocab_size=model_args.tokenizer_vocab_size, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+        token_fields["decoder_start_token_id"] = 1
+    else:
+        start_id = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.pad_token_id
+        token_fields = dict(
+            vocab_size=len(tokenizer),
+            pad_token_id=tokenizer.pad_token_id,
+            bos_token_id=start_id,
+            eos_token_id=tokenizer.eos_token_id,
+            decoder_start_token_id=start_id,
+        )
     overrides = {**token_fields, **fields, **parse_config_overrides(model_args.config_overrides)}
-    if model_args.preset == DEMO_PRESET:
-        return VanillaTransformerConfig(**{**DEMO_SIZES, **overrides})
-    return VanillaTransformerConfig.from_preset(model_args.preset, **overrides)
+    try:
+        if model_args.preset == DEMO_PRESET:
+            return VanillaTransformerConfig(**{**DEMO_SIZES, **overrides})
+        return VanillaTransformerConfig.from_preset(model_args.preset, **overrides)
+    except (ValueError, TypeError, StrictDataclassError) as error:  # the config names the field; the flag is typed
+        flag = "--config_overrides" if model_args.config_overrides else "--preset"
+        raise ValueError(f"{flag}: {error}") from error
 
 
-def check_model_arguments(model_args: ModelArguments) -> None:
-    if model_args.model_name_or_path and model_args.config_overrides:
-        raise ValueError("--config_overrides builds a new model; it cannot change --model_name_or_path's config.")
+def check_model_arguments(model_args: Any, new_model_fields: dict[str, Any]) -> None:
+    """A new model's config is built once before any data is read, so a bad --preset or --config_overrides fails
+    at once; `new_model_fields` are the fields the script sets itself (e.g. is_encoder_decoder=False)."""
     if model_args.tp_size > 1 and not model_args.model_name_or_path:
         raise ValueError(
             "--tp_size shards a saved model while it loads: give --model_name_or_path (save a new model first)."
         )
+    if model_args.model_name_or_path:
+        if model_args.config_overrides:
+            raise ValueError("--config_overrides builds a new model; it cannot change --model_name_or_path's config.")
+        return
+    if isinstance(model_args, ModelArguments):  # the text scripts' new model, from --preset (the image script: its own)
+        new_model_config(model_args, None, **new_model_fields)
 
 
-def pretrained_model_kwargs(model_args: ModelArguments) -> dict[str, Any]:
+def pretrained_model_kwargs(model_args: Any) -> dict[str, Any]:
     """The `from_pretrained` keyword arguments for --model_name_or_path: remote code, and the tensor-parallel
     sharding of --tp_size."""
     kwargs: dict[str, Any] = {"trust_remote_code": model_args.trust_remote_code}
@@ -290,11 +342,15 @@ def pretrained_model_kwargs(model_args: ModelArguments) -> dict[str, Any]:
     return kwargs
 
 
-def parse_script_arguments(dataclass_types: tuple[type, ...], argv: list[str] | None) -> tuple[Any, ...]:
+def parse_script_arguments(
+    dataclass_types: tuple[type, ...], argv: list[str] | None, **new_model_fields: Any
+) -> tuple[Any, ...]:
     """A training script's argument dataclasses (model, data, training) from `argv`, the command line by default,
-    with the model arguments checked; then the logging set up and every random generator seeded with `--seed`."""
+    with the processes configured and the model arguments checked; then the logging set up and every random
+    generator seeded with `--seed`."""
+    configure_processes()
     model_args, *other_args = HfArgumentParser(dataclass_types).parse_args_into_dataclasses(args=argv)
-    check_model_arguments(model_args)
+    check_model_arguments(model_args, new_model_fields)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     transformers.utils.logging.set_verbosity_warning()
     set_seed(other_args[-1].seed)
@@ -302,22 +358,39 @@ def parse_script_arguments(dataclass_types: tuple[type, ...], argv: list[str] | 
 
 
 def train_then_evaluate_perplexity(trainer: Trainer) -> dict[str, float]:
-    """`--do_train` (resuming from `--resume_from_checkpoint`), then `--do_eval` with the perplexity beside the loss:
-    exp(mean cross-entropy over the predicted tokens), how many words the model still hesitates between."""
-    training_args, metrics = trainer.args, {}
-    if training_args.do_train:
-        metrics.update(trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint).metrics)
-    if training_args.do_eval:
-        metrics.update(trainer.evaluate())
+    """`--do_train` and the weights to keep (run_control.train_and_evaluate), then `--do_eval` with the perplexity
+    beside the loss: exp(mean cross-entropy over the predicted tokens), how many words the model still hesitates
+    between."""
+
+    def evaluate_with_perplexity() -> dict[str, float]:
+        metrics = trainer.evaluate()
         metrics["eval_perplexity"] = math.exp(min(metrics["eval_loss"], 700.0))  # exp overflows float64 past ~709
         trainer.log({"eval_perplexity": metrics["eval_perplexity"]})
+        return metrics
+
+    metrics = train_and_evaluate(trainer, evaluate_with_perplexity)
     trainer.log_metrics("all", metrics)
     return metrics
 
 
-def load_local_files(train_file: str | None, validation_file: str | None) -> DatasetDict:
-    """json/jsonl/csv/tsv/parquet/txt files as a DatasetDict with `train` and/or `validation` splits."""
-    files = {split: path for split, path in [("train", train_file), ("validation", validation_file)] if path}
+def check_data_file(flag: str, path: str) -> None:
+    """A missing or empty file fails here with its flag, before `datasets` fails deep inside with a bare error."""
+    file = Path(path)
+    if not file.is_file():
+        raise ValueError(f"{flag} {path}: no such file.")
+    with file.open("rb") as stream:  # reads up to the first character that is not white space
+        while chunk := stream.read(1 << 16):
+            if chunk.strip():
+                return
+    raise ValueError(f"{flag} {path} is empty.")
+
+
+def load_local_files(train_file: str | None, validation_file: str | None, test_file: str | None = None) -> DatasetDict:
+    """json/jsonl/csv/tsv/parquet/txt files as a DatasetDict with `train`, `validation` and/or `test` splits."""
+    named = [("train", train_file), ("validation", validation_file), ("test", test_file)]
+    files = {split: path for split, path in named if path}
+    for split, path in files.items():
+        check_data_file(f"--{split}_file", path)
     extensions = {path.rsplit(".", 1)[-1].lower() for path in files.values()}
     if len(extensions) != 1 or next(iter(extensions)) not in DATA_FILE_BUILDERS:
         raise ValueError(f"Data files must share one extension out of {sorted(DATA_FILE_BUILDERS)}, got {files}.")
@@ -354,6 +427,34 @@ def plot_training_curves(log_history: list[dict[str, float]], path: str | Path) 
     return Path(path)
 
 
+def plot_bleu_against_minutes(
+    log_history: list[dict[str, float]], metrics: dict[str, float], path: Path
+) -> Path | None:
+    """Validation BLEU of the evaluations during training and of the kept weights against the training minutes, and
+    the test BLEU of the kept weights at the end, as a PNG; None without evaluations during training."""
+    end = next((i for i, entry in enumerate(log_history) if "train_runtime" in entry), len(log_history))
+    points = [(entry["train_minutes"], entry["eval_bleu"]) for entry in log_history[:end] if "eval_bleu" in entry]
+    if not points:
+        return None
+    if "eval_bleu" in metrics and "train_minutes" in metrics:  # the kept weights, after training
+        points.append((metrics["train_minutes"], metrics["eval_bleu"]))
+    figure, axis = plt.subplots(figsize=(6, 4))
+    axis.plot(*zip(*points), "o-", label="validation BLEU during training")
+    if "test_bleu" in metrics:
+        label = f"test BLEU of the kept weights ({metrics['test_bleu']:.1f})"
+        axis.plot(
+            [metrics.get("train_minutes", points[-1][0])], [metrics["test_bleu"]], "*", markersize=12, label=label
+        )
+    axis.set_xlabel("training minutes")
+    axis.set_ylabel("sacreBLEU (cased)")
+    axis.grid(alpha=0.3)
+    axis.legend(loc="lower right")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return path
+
+
 def schedule_description(training_args: Any) -> str:
     """The learning-rate schedule of a run, for its model card: the Noam schedule (§5.3) or the Trainer's."""
     if training_args.noam_schedule:
@@ -362,13 +463,17 @@ def schedule_description(training_args: Any) -> str:
 
 
 def save_run(trainer: Trainer, metrics: dict[str, float], dataset: str, card_args: dict[str, Any]) -> None:
-    """Model, tokenizer and code files, then the model card with metrics and the training plot (main process)."""
+    """Model, tokenizer and code files, then the model card with metrics and the training plots (main process): the
+    test split's metrics when there are any, else the validation split's."""
     trainer.save_model()
     if not trainer.is_world_process_zero():
         return
     output_dir = Path(trainer.args.output_dir)
     plot = plot_training_curves(trainer.state.log_history, output_dir / "training_curves.png")
-    keep = ("eval_bleu", "eval_chrf", "eval_loss", "eval_perplexity")
+    if plot_bleu_against_minutes(trainer.state.log_history, metrics, output_dir / BLEU_PLOT):
+        card_args["description"] += f"\n\nBLEU against training minutes:\n\n![BLEU against minutes]({BLEU_PLOT})"
+    split = "test" if any(name.startswith("test_") for name in metrics) else "eval"  # the card reports one split
+    keep = [f"{split}_{name}" for name in ("bleu", "bleu_lowercase", "chrf", "loss", "perplexity")]
     results = {name: metrics[name] for name in keep if name in metrics and math.isfinite(metrics[name])}
     with original_module_class(trainer.model):
         write_model_card(trainer.model, output_dir, results=results, dataset=dataset, plot_path=plot, **card_args)

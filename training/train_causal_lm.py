@@ -1,11 +1,14 @@
 """Train or fine-tune the decoder-only Transformer (VanillaTransformerForCausalLM) on text, reporting perplexity.
 
-Texts are tokenized, concatenated and cut into blocks of --block_size tokens (packing, as in transformers'
-run_clm.py), so no compute is spent on padding. Data: a Hub dataset (--dataset_name), local text/json/csv files
-(--train_file/--validation_file, column --text_column), or with neither the built-in corpus of English arithmetic
-sentences (training/demo_data.py). Optimisation defaults to the paper's Adam and Noam schedule (§5.3).
+Texts are tokenized, each ended with </s>, concatenated and cut into blocks of --block_size tokens (packing, as in
+transformers' run_clm.py), so no compute is spent on padding. The saved tokenizer ends nothing with </s>: a prompt
+given to `pipeline("text-generation")` is continued, not closed. Data: a Hub dataset (--dataset_name), local
+text/json/csv files (--train_file/--validation_file, column --text_column), or with neither the built-in corpus of
+English arithmetic sentences (training/demo_data.py). Optimisation defaults to the paper's Adam and Noam schedule
+(§5.3).
 
-    python training/train_causal_lm.py --output_dir out/lm --preset demo-small --do_train --do_eval --max_steps 500
+    python training/train_causal_lm.py --output_dir out/lm --preset demo-small --do_train --do_eval --max_steps 500 \
+        --warmup_steps 100
 """
 
 import sys
@@ -23,15 +26,16 @@ from run_common import (
     new_model_config,
     parse_script_arguments,
     pretrained_model_kwargs,
-    run_ranks_on_cpu_without_accelerator,
     save_run,
     schedule_description,
     train_then_evaluate_perplexity,
 )
+from run_control import RunArguments, RunTrainerMixin, prepare_output_dir
 from train_tokenizer import train_bpe_tokenizer
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
+    PreTrainedTokenizerBase,
     Trainer,
     TrainingArguments,
     default_data_collator,
@@ -60,12 +64,12 @@ class DataArguments:
 
 
 @dataclass
-class PaperTrainingArguments(NoamArguments, TrainingArguments):
-    """TrainingArguments with the paper's optimiser and schedule as defaults."""
+class PaperTrainingArguments(RunArguments, NoamArguments, TrainingArguments):
+    """TrainingArguments with the paper's optimiser and schedule as defaults, and the run's folder and time options."""
 
 
-class PaperTrainer(NoamTrainerMixin, FsdpTrainerMixin, Trainer):
-    """Trainer with the Noam schedule."""
+class PaperTrainer(RunTrainerMixin, NoamTrainerMixin, FsdpTrainerMixin, Trainer):
+    """Trainer with the Noam schedule and the run's tracker."""
 
 
 def load_raw_datasets(data_args: DataArguments) -> tuple[DatasetDict, str]:
@@ -74,6 +78,24 @@ def load_raw_datasets(data_args: DataArguments) -> tuple[DatasetDict, str]:
     if data_args.train_file or data_args.validation_file:
         return load_local_files(data_args.train_file, data_args.validation_file), "local files"
     return arithmetic_text_dataset(data_args.demo_train_size, data_args.demo_validation_size), DEMO_DATASET
+
+
+def prompt_tokenizer(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
+    """The tokenizer without the </s> it may end every text with (train_tokenizer.py's does, for seq2seq sources):
+    a language model given a prompt ending with </s> starts a new text instead of continuing the prompt. A leading
+    <s> stays. Raises where the tokenizer cannot be told (no `add_eos_token`)."""
+    sample = tokenizer("a")["input_ids"]
+    if sample[-1] != tokenizer.eos_token_id:
+        return tokenizer
+    if hasattr(tokenizer, "update_post_processor"):  # transformers' tokenizers-backed class rebuilds its template
+        tokenizer.add_bos_token = tokenizer.bos_token_id is not None and sample[0] == tokenizer.bos_token_id
+        tokenizer.add_eos_token = False
+    if tokenizer("a")["input_ids"][-1] == tokenizer.eos_token_id:
+        raise ValueError(
+            f"The tokenizer ({type(tokenizer).__name__}) ends every text with {tokenizer.eos_token} and cannot be told "
+            "not to, so text generation would not continue prompts: pass another --tokenizer_name."
+        )
+    return tokenizer
 
 
 def pack_into_blocks(examples: dict[str, list], block_size: int) -> dict[str, list]:
@@ -86,10 +108,10 @@ def pack_into_blocks(examples: dict[str, list], block_size: int) -> dict[str, li
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
-    run_ranks_on_cpu_without_accelerator()
-    model_args, data_args, training_args = parse_script_arguments(
-        (ModelArguments, DataArguments, PaperTrainingArguments), argv
+    arguments = parse_script_arguments(
+        (ModelArguments, DataArguments, PaperTrainingArguments), argv, is_encoder_decoder=False, is_decoder=True
     )
+    model_args, data_args, training_args = arguments
     if data_args.block_size <= 1:
         raise ValueError(f"--block_size must be at least 2, got {data_args.block_size}.")
 
@@ -97,6 +119,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     column_names = raw[next(iter(raw))].column_names
     if data_args.text_column not in column_names:
         raise ValueError(f"--text_column {data_args.text_column!r} is not in the data; it has {column_names}.")
+    prepare_output_dir(arguments)
 
     tokenizer_source = model_args.tokenizer_name or model_args.model_name_or_path
     if tokenizer_source is None and isinstance(training_args.resume_from_checkpoint, str):
@@ -106,6 +129,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     else:
         texts = (text for batch in raw["train"].iter(batch_size=1000) for text in batch[data_args.text_column])
         tokenizer = train_bpe_tokenizer(texts, model_args.tokenizer_vocab_size)
+    tokenizer = prompt_tokenizer(tokenizer)
     if model_args.model_name_or_path:
         model = AutoModelForCausalLM.from_pretrained(
             model_args.model_name_or_path, **pretrained_model_kwargs(model_args)
@@ -114,8 +138,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         config = new_model_config(model_args, tokenizer, is_encoder_decoder=False, is_decoder=True)
         model = AutoModelForCausalLM.from_config(config)
 
-    def tokenize(batch):  # each text ends with </s> (the tokenizer's post-processor), which separates packed texts
-        return tokenizer(batch[data_args.text_column])
+    def tokenize(batch):  # </s> after each text separates the texts packed into one block
+        encoded = tokenizer(batch[data_args.text_column])["input_ids"]
+        return {"input_ids": [ids + [tokenizer.eos_token_id] for ids in encoded]}
 
     splits = {}
     for split, wanted, limit in [

@@ -30,6 +30,7 @@ from run_common import (
     plt,
     required_split,
 )
+from run_control import RunArguments, prepare_output_dir, train_and_choose_weights
 from train_causal_lm import PaperTrainer
 from train_tokenizer import train_bpe_tokenizer
 from transformers import (
@@ -74,7 +75,7 @@ class ClassifierModelArguments(ModelArguments):
 
 
 @dataclass
-class FineTuningArguments(NoamArguments, TrainingArguments):
+class FineTuningArguments(RunArguments, NoamArguments, TrainingArguments):
     """TrainingArguments with fine-tuning defaults: a constant-after-warm-up peak rate rather than the Noam schedule."""
 
     noam_schedule: bool = field(default=False, metadata={"help": "Use the paper's Noam schedule instead (§5.3)."})
@@ -159,12 +160,14 @@ def classifier_tokenizer(
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
-    model_args, data_args, training_args = parse_script_arguments(
-        (ClassifierModelArguments, ClassifierDataArguments, FineTuningArguments), argv
+    arguments = parse_script_arguments(
+        (ClassifierModelArguments, ClassifierDataArguments, FineTuningArguments), argv, is_encoder_decoder=False
     )
+    model_args, data_args, training_args = arguments
 
     data, dataset_label = load_text_data(data_args, labelled_topics, DEMO_DATASET)
     names = label_names(data, data_args.label_column)
+    prepare_output_dir(arguments)
     label_ids = {name: i for i, name in enumerate(names)}
     tokenizer = classifier_tokenizer(model_args, data_args, data)
     labels = dict(num_labels=len(names), id2label=dict(enumerate(names)), label2id=label_ids)
@@ -205,9 +208,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         data_collator=DataCollatorWithPadding(tokenizer),
         compute_metrics=metrics_for(len(names)),
     )
-    metrics: dict[str, float] = {}
-    if training_args.do_train:
-        metrics.update(trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint).metrics)
+    metrics = train_and_choose_weights(trainer, trainer.evaluate)
     trainer.save_model()
     trainer.save_state()  # trainer_state.json: the log history, i.e. the learning curve
     output_dir = Path(training_args.output_dir)

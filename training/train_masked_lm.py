@@ -7,7 +7,8 @@ predicts the originals. Data: a Hub dataset (--dataset_name), local csv/json/jso
 (training/demo_text_data.py). The saved folder is a checkpoint that `train_classifier.py` (or
 `AutoModelForSequenceClassification.from_pretrained`) fine-tunes.
 
-    python training/train_masked_lm.py --output_dir out/mlm --preset demo-small --do_train --do_eval --max_steps 500
+    python training/train_masked_lm.py --output_dir out/mlm --preset demo-small --do_train --do_eval --max_steps 500 \
+        --warmup_steps 100
 """
 
 import sys
@@ -25,6 +26,7 @@ from run_common import (
     schedule_description,
     train_then_evaluate_perplexity,
 )
+from run_control import prepare_output_dir
 from train_causal_lm import PaperTrainer, PaperTrainingArguments
 from train_tokenizer import train_bpe_tokenizer
 from transformers import (
@@ -63,13 +65,15 @@ def masked_lm_tokenizer(
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
-    model_args, data_args, training_args = parse_script_arguments(
-        (ModelArguments, MaskedLMDataArguments, PaperTrainingArguments), argv
+    arguments = parse_script_arguments(
+        (ModelArguments, MaskedLMDataArguments, PaperTrainingArguments), argv, is_encoder_decoder=False
     )
+    model_args, data_args, training_args = arguments
     if not 0 < data_args.mlm_probability < 1:
         raise ValueError(f"--mlm_probability must be in (0, 1), got {data_args.mlm_probability}.")
 
     raw, dataset_label = load_text_data(data_args, unlabelled_text, DEMO_DATASET)
+    prepare_output_dir(arguments)
     train_texts = (text for batch in raw["train"].iter(batch_size=1000) for text in batch[data_args.text_column])
     tokenizer = masked_lm_tokenizer(model_args, data_args, train_texts)
     if model_args.model_name_or_path:

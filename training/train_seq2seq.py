@@ -4,10 +4,14 @@ Defaults follow Vaswani et al. 2017: label smoothing 0.1 (§5.4), Adam(0.9, 0.98
 4000 warm-up steps (§5.3), and evaluation with beam 4, the GNMT length penalty alpha = 0.6 and a maximum output length
 of input length + 50 (§6.1), scored with BLEU and chrF (sacrebleu).
 
-Data: a Hub dataset (--dataset_name), local files (--train_file/--validation_file), or, with neither, the built-in
-English -> German number-sentence demo (training/demo_data.py). Examples:
+Data: a Hub dataset (--dataset_name), local files (--train_file/--validation_file/--test_file), or, with neither, the
+built-in English -> German number-sentence demo (training/demo_data.py). A run's folder, time budget and final
+weights (resuming, --overwrite_output_dir, --max_train_minutes, --average_last_checkpoints): training/run_control.py.
+Examples:
 
-    python training/train_seq2seq.py --output_dir out/demo --preset demo-small --do_train --do_eval
+    python training/train_seq2seq.py --output_dir out/demo --preset demo-small --do_train --do_eval \
+        --max_steps 600 --warmup_steps 200 --per_device_train_batch_size 64
+    bash training/recipes/multi30k_en_de.sh ../shared/data/multi30k out/multi30k   # a time budget, then averaging
     python training/train_seq2seq.py --output_dir out/wmt --dataset_name wmt14 --dataset_config_name de-en \\
         --source_lang en --target_lang de --tokenizer_vocab_size 37000 --do_train --do_eval --max_steps 100000
     accelerate launch --config_file training/accelerate_configs/ddp.yaml training/train_seq2seq.py ...
@@ -18,6 +22,7 @@ English -> German number-sentence demo (training/demo_data.py). Examples:
 import logging
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import sacrebleu
@@ -33,10 +38,10 @@ from run_common import (
     new_model_config,
     parse_script_arguments,
     pretrained_model_kwargs,
-    run_ranks_on_cpu_without_accelerator,
     save_run,
     schedule_description,
 )
+from run_control import RunArguments, RunTrainerMixin, prepare_output_dir, train_and_evaluate
 from train_tokenizer import train_bpe_tokenizer
 from transformers import (
     AutoModelForSeq2SeqLM,
@@ -60,6 +65,10 @@ class DataArguments:
     dataset_config_name: str | None = field(default=None, metadata={"help": "The Hub dataset's config, e.g. de-en."})
     train_file: str | None = field(default=None, metadata={"help": "Local training data: json/jsonl/csv/tsv/parquet."})
     validation_file: str | None = field(default=None, metadata={"help": "Local validation data, same format."})
+    test_file: str | None = field(
+        default=None,
+        metadata={"help": "Test data for --do_predict, same format: scored once, after training and every choice."},
+    )
     source_column: str | None = field(
         default=None, metadata={"help": "Column with source texts. Default: a `translation` dict column."}
     )
@@ -76,7 +85,7 @@ class DataArguments:
 
 
 @dataclass
-class PaperSeq2SeqTrainingArguments(NoamArguments, Seq2SeqTrainingArguments):
+class PaperSeq2SeqTrainingArguments(RunArguments, NoamArguments, Seq2SeqTrainingArguments):
     """Seq2SeqTrainingArguments with the paper's training and decoding recipe as defaults."""
 
     label_smoothing_factor: float = field(default=0.1, metadata={"help": "Label smoothing (paper §5.4: 0.1)."})
@@ -96,7 +105,7 @@ class PaperSeq2SeqTrainingArguments(NoamArguments, Seq2SeqTrainingArguments):
     )
 
 
-class PaperSeq2SeqTrainer(NoamTrainerMixin, FsdpTrainerMixin, Seq2SeqTrainer):
+class PaperSeq2SeqTrainer(RunTrainerMixin, NoamTrainerMixin, FsdpTrainerMixin, Seq2SeqTrainer):
     """Seq2SeqTrainer with the Noam schedule and the paper's source-relative output length limit."""
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None, **gen_kwargs):
@@ -113,21 +122,35 @@ def load_raw_datasets(data_args: DataArguments) -> tuple[DatasetDict, str]:
     if data_args.dataset_name:
         return load_dataset(data_args.dataset_name, data_args.dataset_config_name), data_args.dataset_name
     if data_args.train_file or data_args.validation_file:
-        return load_local_files(data_args.train_file, data_args.validation_file), "local files"
+        files = load_local_files(data_args.train_file, data_args.validation_file, data_args.test_file)
+        return files, f"local files ({Path(data_args.train_file or data_args.validation_file).parent.name})"
     demo = number_translation_dataset(data_args.demo_train_size, data_args.demo_validation_size)
     return demo, DEMO_DATASET
 
 
-def source_target_columns(data_args: DataArguments, column_names: list[str]) -> tuple[str, str] | None:
-    """The (source, target) columns, or None for a `translation` dict column; missing columns raise ValueError."""
+def source_target_columns(data_args: DataArguments, raw: DatasetDict) -> tuple[str, str] | None:
+    """The (source, target) columns, or None for a `translation` dict column. Missing columns or languages raise
+    ValueError naming the flag, checked on every split (its first example) before any tokenizer is trained."""
     if data_args.source_column or data_args.target_column:
-        columns = (data_args.source_column, data_args.target_column)
-        missing = [name for name in columns if name not in column_names]
-        if missing:
-            raise ValueError(f"Columns {missing} are not in the data; it has {column_names}.")
-        return columns
-    if "translation" not in column_names:
-        raise ValueError(f"No `translation` column in {column_names}: pass --source_column and --target_column.")
+        wanted = {"--source_column": data_args.source_column, "--target_column": data_args.target_column}
+        for split, data in raw.items():
+            for flag, name in wanted.items():
+                if name not in data.column_names:
+                    raise ValueError(f"{flag} {name!r} is not a column of the {split} data ({data.column_names}).")
+        return data_args.source_column, data_args.target_column
+    wanted = {"--source_lang": data_args.source_lang, "--target_lang": data_args.target_lang}
+    for split, data in raw.items():
+        if "translation" not in data.column_names:
+            raise ValueError(
+                f"The {split} data has no `translation` column ({data.column_names}): pass --source_column and "
+                "--target_column."
+            )
+        languages = sorted(data[0]["translation"]) if len(data) else []
+        for flag, language in wanted.items():
+            if language not in languages:
+                raise ValueError(
+                    f"{flag} {language!r} is not a language of the {split} data's `translation` {languages}."
+                )
     return None
 
 
@@ -149,18 +172,21 @@ def load_tokenizer(model_args: ModelArguments, training_args, raw: DatasetDict, 
     return train_bpe_tokenizer(texts_of(raw["train"]), model_args.tokenizer_vocab_size)
 
 
+def decode(tokenizer, token_ids: np.ndarray) -> list[str]:
+    token_ids = np.where(token_ids < 0, tokenizer.pad_token_id, token_ids)  # -100: the label padding
+    return [text.strip() for text in tokenizer.batch_decode(token_ids, skip_special_tokens=True)]
+
+
 def bleu_and_chrf(tokenizer):
-    """compute_metrics for Seq2SeqTrainer. `evaluate.load("sacrebleu")` fetches its metric script from the Hub and
-    fails offline, so sacrebleu (which that script wraps) is called directly; the scores are the same."""
+    """compute_metrics for Seq2SeqTrainer: sacreBLEU (cased, its default; and lowercased, as the multimodal
+    translation shared tasks report Multi30k) and chrF. `evaluate.load("sacrebleu")` fetches its metric script from
+    the Hub and fails offline, so sacrebleu (which that script wraps) is called directly; the scores are the same."""
 
     def compute_metrics(eval_prediction) -> dict[str, float]:
-        predictions, labels = eval_prediction
-        predictions = np.where(predictions < 0, tokenizer.pad_token_id, predictions)
-        labels = np.where(labels < 0, tokenizer.pad_token_id, labels)
-        hypotheses = [text.strip() for text in tokenizer.batch_decode(predictions, skip_special_tokens=True)]
-        references = [text.strip() for text in tokenizer.batch_decode(labels, skip_special_tokens=True)]
+        hypotheses, references = decode(tokenizer, eval_prediction[0]), decode(tokenizer, eval_prediction[1])
         return {
             "bleu": sacrebleu.corpus_bleu(hypotheses, [references]).score,
+            "bleu_lowercase": sacrebleu.corpus_bleu(hypotheses, [references], lowercase=True).score,
             "chrf": sacrebleu.corpus_chrf(hypotheses, [references]).score,
         }
 
@@ -168,13 +194,12 @@ def bleu_and_chrf(tokenizer):
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
-    run_ranks_on_cpu_without_accelerator()
-    model_args, data_args, training_args = parse_script_arguments(
-        (ModelArguments, DataArguments, PaperSeq2SeqTrainingArguments), argv
-    )
+    arguments = parse_script_arguments((ModelArguments, DataArguments, PaperSeq2SeqTrainingArguments), argv)
+    model_args, data_args, training_args = arguments
 
     raw, dataset_label = load_raw_datasets(data_args)
-    columns = source_target_columns(data_args, raw[next(iter(raw))].column_names)
+    columns = source_target_columns(data_args, raw)
+    prepare_output_dir(arguments)
 
     def texts_of(split):  # source and target text together: the BPE vocabulary is shared (§5.1)
         for batch in split.iter(batch_size=1000):
@@ -205,14 +230,15 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         return features | {"labels": labels["input_ids"]}
 
     splits = {}
-    for split, wanted, limit in [
-        ("train", training_args.do_train, data_args.max_train_samples),
-        ("validation", training_args.do_eval, data_args.max_eval_samples),
+    for split, flag, limit in [
+        ("train", "--do_train", data_args.max_train_samples),
+        ("validation", "--do_eval", data_args.max_eval_samples),
+        ("test", "--do_predict", None),
     ]:
-        if not wanted:
+        if not getattr(training_args, flag[2:]):
             continue
         if split not in raw:
-            raise ValueError(f"--do_{'train' if split == 'train' else 'eval'} needs a {split} split; got {list(raw)}.")
+            raise ValueError(f"{flag} needs a {split} split; got {list(raw)}.")
         data = raw[split].select(range(min(limit, len(raw[split])))) if limit else raw[split]
         with training_args.main_process_first(desc=f"tokenizing {split}"):
             splits[split] = data.map(
@@ -232,12 +258,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         data_collator=DataCollatorForSeq2Seq(tokenizer, model=model, pad_to_multiple_of=8),
         compute_metrics=bleu_and_chrf(tokenizer) if training_args.predict_with_generate else None,
     )
-    metrics: dict[str, float] = {}
-    if training_args.do_train:
-        train_result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-        metrics.update(train_result.metrics)
-    if training_args.do_eval:
-        metrics.update(trainer.evaluate(metric_key_prefix="eval"))
+    metrics = train_and_evaluate(trainer, lambda: trainer.evaluate(metric_key_prefix="eval"))
+    if training_args.do_predict:  # the test set is decoded once, with the weights the validation set chose
+        prediction = trainer.predict(splits["test"], metric_key_prefix="test")
+        metrics |= prediction.metrics
+        if trainer.is_world_process_zero() and training_args.predict_with_generate:
+            hypotheses = decode(tokenizer, prediction.predictions)
+            Path(training_args.output_dir, "test_generations.txt").write_text("\n".join(hypotheses) + "\n")
     trainer.log_metrics("all", metrics)
     recipe = {
         "preset": model_args.model_name_or_path or model_args.preset,
@@ -247,7 +274,12 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         f"eps={training_args.adam_epsilon})",
         "schedule": schedule_description(training_args),
         "steps": trainer.state.global_step,
+        "training minutes": round(trainer.run_tracker.elapsed_seconds() / 60, 1),
         "batch size per device": training_args.per_device_train_batch_size,
+        "bf16": training_args.bf16,
+        "weights": f"average of the last {metrics['averaged_checkpoints']} checkpoints"
+        if metrics.get("averaged_checkpoints", 1) > 1
+        else "the last step's",
         "evaluation decoding": f"beam {training_args.generation_num_beams}, GNMT alpha {training_args.gnmt_alpha}, "
         f"max length source + {training_args.max_new_tokens_over_source}",
     }
@@ -255,12 +287,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     description = "Trained with `training/train_seq2seq.py` of hf_vanilla_transformer" + (
         " on the built-in English -> German number-sentence demo data." if dataset_label == DEMO_DATASET else "."
     )
-    save_run(
-        trainer,
-        metrics,
-        dataset_label,
-        dict(training_args=recipe, language=language, description=description),
-    )
+    if training_args.do_predict:
+        test = Path(data_args.test_file).name if data_args.test_file else "the dataset's test split"
+        description += f" The results are on the test set ({test}), decoded once after the validation set chose the "
+        description += (
+            "weights; BLEU is sacreBLEU's default (cased, 13a tokenization), bleu_lowercase the same lowercased."
+        )
+    save_run(trainer, metrics, dataset_label, dict(training_args=recipe, language=language, description=description))
     if training_args.push_to_hub:
         trainer.push_to_hub()
     return metrics

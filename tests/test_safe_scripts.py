@@ -1,0 +1,274 @@
+"""The training scripts are safe in a user's hands: a warm-up longer than the run warns; the same command run again
+resumes its run, another run's folder is refused unless --overwrite_output_dir, averaging never mixes runs; bad
+arguments fail before any data work with one message naming the flag; a GPT-style model's tokenizer leaves prompts
+open for text generation; `accelerate launch --cpu --num_processes 2` stops and says what to pass; a time budget
+stops training cleanly, then the last checkpoints are averaged where the validation set prefers them and the test
+set is scored. Tiny models, a few seconds each (the SIGKILL tests are in test_interrupted_runs.py).
+"""
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import TrainerControl, TrainerState
+
+TRAINING_DIR = Path(__file__).resolve().parents[1] / "training"
+sys.path.insert(0, str(TRAINING_DIR))
+
+import average_checkpoints  # noqa: E402
+import run_common  # noqa: E402
+import run_control  # noqa: E402
+import train_causal_lm  # noqa: E402
+import train_seq2seq  # noqa: E402
+from demo_text_data import word_tokenizer  # noqa: E402
+from test_training_scripts import QUIET, SEQ2SEQ_DEMO, TINY_MODEL, weights  # noqa: E402
+from train_tokenizer import train_bpe_tokenizer  # noqa: E402
+
+RUN = [*SEQ2SEQ_DEMO, "--do_train", "--max_steps", "8", "--save_steps", "4", "--per_device_train_batch_size", "8"]
+RUN += ["--demo_train_size", "200"]
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory) -> tuple[Path, list[str]]:
+    """A run of 8 steps with checkpoints at 4 and 8, and the arguments that made it (without --output_dir)."""
+    output_dir = tmp_path_factory.mktemp("run") / "out"
+    train_seq2seq.main([*RUN, "--output_dir", str(output_dir)])
+    return output_dir, RUN
+
+
+def copy_of(run: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(run, tmp_path / "out"))
+
+
+def run_ids(output_dir: Path) -> set[str | None]:
+    return {average_checkpoints.run_id(path) for path in output_dir.glob("checkpoint-*")}
+
+
+def test_warmup_longer_than_half_the_run_warns(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="run_common"):
+        train_seq2seq.main([*SEQ2SEQ_DEMO, "--output_dir", str(tmp_path / "o"), "--do_train", "--max_steps", "4"])
+    assert "warm-up (8 steps) is longer than half of this run (4 optimizer steps)" in caplog.text
+    assert "--warmup_steps" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="run_common"):
+        run_common.warn_if_warmup_outlasts_run(warmup=4, num_training_steps=8)
+    assert caplog.text == ""
+
+
+def test_the_same_command_again_resumes_its_run(finished_run, tmp_path, caplog):
+    run, argv = finished_run
+    output_dir = copy_of(run, tmp_path)
+    before = weights(output_dir)
+    with caplog.at_level(logging.INFO, logger="run_control"):
+        train_seq2seq.main([*argv, "--output_dir", str(output_dir)])
+    assert "holds this run: resuming from checkpoint-8" in caplog.text
+    assert "ends the run: its weights are loaded, nothing is trained" in caplog.text
+    assert sorted(path.name for path in output_dir.glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-8"]
+    after = weights(output_dir)
+    assert all(torch.equal(tensor, after[name]) for name, tensor in before.items())
+
+
+def test_another_run_is_refused_unless_asked_to_overwrite(finished_run, tmp_path):
+    run, argv = finished_run
+    output_dir = copy_of(run, tmp_path)
+    (old_id,) = run_ids(output_dir)
+    other = [*argv, "--output_dir", str(output_dir), "--seed", "1"]
+    with pytest.raises(ValueError, match=r"holds another run \(--seed 0 there, 1 here\).*--overwrite_output_dir"):
+        train_seq2seq.main(other)
+    assert run_ids(output_dir) == {old_id}  # nothing touched
+
+    train_seq2seq.main([*other, "--max_steps", "4", "--overwrite_output_dir"])
+    assert sorted(path.name for path in output_dir.glob("checkpoint-*")) == ["checkpoint-4"]  # the old ones went
+    (new_id,) = run_ids(output_dir)
+    assert new_id not in (old_id, None)
+    assert json.loads((output_dir / run_control.RUN_RECORD).read_text())["seed"] == 1
+
+    stray = tmp_path / "stray"
+    stray.mkdir()
+    (stray / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="holds files but no run_arguments.json. Pass --overwrite_output_dir"):
+        train_seq2seq.main([*argv, "--output_dir", str(stray)])
+
+
+def test_averaging_takes_complete_checkpoints_of_one_run(finished_run, tmp_path):
+    output_dir = copy_of(finished_run[0], tmp_path)
+    interrupted = output_dir / "checkpoint-12"  # a save killed before its trainer state was written
+    shutil.copytree(output_dir / "checkpoint-8", interrupted)
+    (interrupted / "trainer_state.json").unlink()
+    assert [path.name for path in average_checkpoints.last_checkpoints(output_dir, 1)] == ["checkpoint-8"]
+
+    state_file = output_dir / "checkpoint-8" / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    state["stateful_callbacks"]["RunTracker"]["attributes"]["run_id"] = "another-run"
+    state_file.write_text(json.dumps(state))
+    with pytest.raises(ValueError, match="come from different runs"):
+        average_checkpoints.last_checkpoints(output_dir, 2)
+
+
+def write_pairs(path: Path, pairs: list[tuple[str, str]]) -> Path:
+    path.write_text("".join(json.dumps({"translation": {"en": en, "de": de}}) + "\n" for en, de in pairs))
+    return path
+
+
+PAIRS = [("she has two books", "sie hat zwei Bücher"), ("forty-two", "zweiundvierzig")] * 20
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["--config_overrides", "norm_position=sideways"], r"--config_overrides: [\s\S]*'norm_position' expected one of"),
+        (["--config_overrides", "d_modle=32"], r"--config_overrides: 'd_modle' is not a VanillaTransformerConfig"),
+        (["--preset", "transformer-tiny"], r"--preset 'transformer-tiny' is not one of"),
+        (["--train_file", "{tmp}/missing.jsonl"], r"--train_file \S+missing.jsonl: no such file"),
+        (["--train_file", "{tmp}/empty.jsonl"], r"--train_file \S+empty.jsonl is empty"),
+        (["--train_file", "{tmp}/train.jsonl", "--validation_file", "{tmp}/blank.jsonl"], r"--validation_file \S+ is"),
+        (["--train_file", "{tmp}/train.jsonl", "--source_lang", "fr"], r"--source_lang 'fr' is not a language of"),
+        (["--train_file", "{tmp}/train.jsonl", "--source_column", "src"], r"--source_column 'src' is not a column"),
+    ],
+)  # fmt: skip
+def test_bad_arguments_fail_before_any_data_work(tmp_path, monkeypatch, arguments, message):
+    (tmp_path / "empty.jsonl").touch()
+    (tmp_path / "blank.jsonl").write_text("\n  \n")
+    write_pairs(tmp_path / "train.jsonl", PAIRS)
+
+    def data_work(*args, **kwargs):
+        raise AssertionError("data processing or tokenizer training started before the arguments were checked")
+
+    monkeypatch.setattr(train_seq2seq, "train_bpe_tokenizer", data_work)
+    monkeypatch.setattr("datasets.Dataset.map", data_work)
+    arguments = [argument.format(tmp=tmp_path) for argument in arguments]
+    if "--train_file" not in arguments:  # a bad model argument fails even before a missing data file is noticed
+        arguments += ["--train_file", str(tmp_path / "missing.jsonl")]
+    with pytest.raises(ValueError, match=message):
+        train_seq2seq.main([*TINY_MODEL, *QUIET, "--output_dir", str(tmp_path / "out"), "--do_train", *arguments])
+    assert not (tmp_path / "out").exists()
+
+
+def test_causal_lm_text_column_is_checked_before_tokenizer_training(tmp_path, monkeypatch):
+    (tmp_path / "train.jsonl").write_text(json.dumps({"text": "one plus one"}) + "\n")
+    monkeypatch.setattr(train_causal_lm, "train_bpe_tokenizer", lambda *a, **k: pytest.fail("tokenizer trained"))
+    with pytest.raises(ValueError, match=r"--text_column 'body' is not in the data; it has \['text'\]"):
+        train_causal_lm.main(
+            [*TINY_MODEL, *QUIET, "--output_dir", str(tmp_path / "o"), "--do_train", "--text_column", "body"]
+            + ["--train_file", str(tmp_path / "train.jsonl")]
+        )
+
+
+@pytest.mark.parametrize("make_tokenizer", ["bpe", "word"])
+def test_prompt_tokenizer_leaves_prompts_open(make_tokenizer):
+    """train_tokenizer.py's BPE ends every text with </s> ("$A </s>"), the demo's word tokenizer wraps it
+    ("<s> $A </s>"); for a language model both end prompts without </s>, and a leading <s> stays."""
+    if make_tokenizer == "bpe":
+        tokenizer = train_bpe_tokenizer(["twelve minus three is nine"] * 20, vocab_size=300)
+    else:
+        tokenizer = word_tokenizer()
+    text = "the river" if make_tokenizer == "word" else "twelve minus"
+    before = tokenizer(text)["input_ids"]
+    assert before[-1] == tokenizer.eos_token_id
+    after = train_causal_lm.prompt_tokenizer(tokenizer)(text)["input_ids"]
+    assert after == before[:-1]
+
+
+def test_causal_lm_pipeline_continues_the_prompt(tmp_path):
+    from transformers import pipeline
+
+    output_dir = tmp_path / "lm"
+    train_causal_lm.main(
+        [*TINY_MODEL, *QUIET, "--output_dir", str(output_dir), "--do_train", "--max_steps", "4"]
+        + ["--demo_train_size", "200", "--demo_validation_size", "10", "--block_size", "32", "--warmup_steps", "2"]
+    )
+    generator = pipeline("text-generation", model=str(output_dir))
+    prompt = "twelve minus"
+    prompt_ids = generator.preprocess(prompt)["input_ids"][0].tolist()
+    assert prompt_ids and prompt_ids[-1] != generator.tokenizer.eos_token_id  # the prompt is not closed
+    continuation = generator(prompt, max_new_tokens=4, do_sample=False)[0]["generated_text"]
+    assert continuation.startswith(prompt) and len(continuation) > len(prompt)
+
+
+def test_accelerate_launch_cpu_with_two_processes_stops_and_says_what_to_pass(tmp_path):
+    if torch.accelerator.is_available():
+        pytest.skip("on a machine with an accelerator the launcher starts its processes")
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2"]
+    command += [str(TRAINING_DIR / "train_seq2seq.py"), *SEQ2SEQ_DEMO, "--output_dir", str(tmp_path / "o")]
+    result = subprocess.run(
+        command, capture_output=True, text=True, timeout=300, env=os.environ | {"OMP_NUM_THREADS": "1"}
+    )
+    assert result.returncode != 0
+    assert "--multi_gpu --num_processes N" in result.stderr and "starts a single process" in result.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_no_pinned_memory_without_accelerator(tmp_path):
+    arguments = train_seq2seq.PaperSeq2SeqTrainingArguments(output_dir=str(tmp_path), dataloader_pin_memory=True)
+    assert arguments.dataloader_pin_memory == torch.accelerator.is_available()
+
+
+def test_run_tracker_keeps_time_across_restarts():
+    now = [0.0]
+    tracker = run_control.RunTracker(max_train_minutes=1, eval_every_minutes=0.5, clock=lambda: now[0])
+    state, control = TrainerState(stateful_callbacks=[tracker]), TrainerControl()
+    tracker.on_train_begin(None, state, control)
+    for second, should_evaluate, should_stop in [(20, False, False), (31, True, False), (45, False, False)]:
+        now[0], control = second, TrainerControl()
+        tracker.on_step_end(None, state, control)
+        assert (control.should_evaluate, control.should_training_stop) == (should_evaluate, should_stop), second
+
+    saved = tracker.state()  # what a checkpoint at 45 s holds; the process dies, another resumes at clock 1000
+    assert saved["attributes"]["train_seconds"] == 45
+    resumed = run_control.RunTracker(max_train_minutes=1, eval_every_minutes=0.5, clock=lambda: now[0])
+    now[0] = 1000.0
+    resumed.on_train_begin(None, TrainerState(stateful_callbacks={"RunTracker": saved}), TrainerControl())
+    assert resumed.run_id == tracker.run_id and resumed.elapsed_seconds() == 45
+
+    class Args:
+        save_strategy = "steps"
+
+    now[0], control = 1016.0, TrainerControl()  # 61 s of training: the budget is spent
+    resumed.on_step_end(Args, state, control)
+    assert control.should_training_stop and control.should_save  # the evaluation due at 60 s is left to what follows
+    assert not control.should_evaluate
+    resumed.on_train_end(None, state, control)
+    now[0] = 2000.0
+    assert resumed.elapsed_seconds() == 61  # the clock stopped with training
+
+
+def test_time_budget_stops_then_averages_and_scores_the_test_set(tmp_path, monkeypatch):
+    ticks = iter(range(10**6))  # the run's clock: each reading one second later, so the budget is machine-free
+    monkeypatch.setattr(run_control, "time", SimpleNamespace(monotonic=lambda: float(next(ticks))))
+    sizes = {"train": 40, "validation": 6, "test": 4}
+    files = {split: write_pairs(tmp_path / f"{split}.jsonl", PAIRS[:size]) for split, size in sizes.items()}
+    output_dir = tmp_path / "out"
+    budget = 0.25  # minutes: about 15 steps
+    metrics = train_seq2seq.main(
+        [*TINY_MODEL, *QUIET, "--output_dir", str(output_dir), "--do_train", "--do_eval", "--do_predict"]
+        + ["--train_file", str(files["train"]), "--validation_file", str(files["validation"])]
+        + ["--test_file", str(files["test"]), "--tokenizer_vocab_size", "120", "--per_device_train_batch_size", "4"]
+        + ["--max_steps", "100000", "--warmup_steps", "4", "--max_train_minutes", str(budget)]
+        + ["--save_every_minutes", "0.05", "--save_steps", "100000", "--average_last_checkpoints", "2"]
+        + ["--max_new_tokens_over_source", "4"]
+    )
+    checkpoints = average_checkpoints.complete_checkpoints(output_dir)
+    last_step = int(checkpoints[-1].name.split("-")[1])
+    assert 2 < len(checkpoints) and last_step < 100000  # saved every 3 s, and at the stop
+    assert budget <= metrics["train_minutes"] < budget + 0.1  # each clock reading adds a second
+    state = json.loads((checkpoints[-1] / "trainer_state.json").read_text())
+    assert state["global_step"] == last_step
+    assert {"test_bleu", "test_bleu_lowercase", "test_chrf", "eval_loss_last", "eval_loss_averaged"} <= metrics.keys()
+    assert (output_dir / "test_generations.txt").read_text().count("\n") == 4
+
+    final, last, before_last = weights(output_dir), weights(checkpoints[-1]), weights(checkpoints[-2])
+    averaged_kept = metrics["eval_loss_averaged"] < metrics["eval_loss_last"]
+    assert metrics["averaged_checkpoints"] == (2 if averaged_kept else 1)
+    assert metrics["eval_loss"] == min(metrics["eval_loss_averaged"], metrics["eval_loss_last"])
+    for name, tensor in final.items():
+        expected = (last[name].double() + before_last[name].double()) / 2 if averaged_kept else last[name]
+        torch.testing.assert_close(tensor, expected.float(), rtol=0, atol=1e-7)
+    card = (output_dir / "README.md").read_text()
+    assert "bleu_lowercase" in card and "training minutes" in card

@@ -1,0 +1,359 @@
+"""How every training script treats its output folder, its time and its end, so that a run in a user's hands neither
+loses nor mixes anything.
+
+- The folder: a new run records its arguments in `run_arguments.json`. The same command run again resumes from the
+  run's last complete checkpoint (as transformers' examples do with `get_last_checkpoint`, skipping a checkpoint whose
+  save was interrupted); a folder that holds another run, or anything else, is refused unless --overwrite_output_dir,
+  which first removes that run's checkpoints and weights.
+- The time: `RunTracker` counts the run's training time across restarts, stops training cleanly at
+  --max_train_minutes and evaluates/saves every --eval_every_minutes/--save_every_minutes; it stamps every checkpoint
+  with the run's id, so that averaging never mixes runs.
+- The end: --average_last_checkpoints k averages the last k checkpoints (paper §6.1) and keeps the averaged weights
+  only where the validation set scores them better.
+"""
+
+import json
+import logging
+import operator
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from average_checkpoints import (
+    TRAINER_STATE,
+    averaged_weights,
+    checkpoint_step,
+    checkpoint_weights,
+    complete_checkpoints,
+    last_checkpoints,
+    trainer_state,
+)
+from transformers import Trainer, TrainerCallback, TrainerState
+from transformers.trainer_callback import ExportableState
+from transformers.trainer_utils import SaveStrategy
+
+logger = logging.getLogger(__name__)
+
+RUN_RECORD = "run_arguments.json"
+# Arguments that name the run's folder or say what to do with it now, not what the run trains.
+NOT_PART_OF_THE_RUN = {
+    "output_dir",
+    "run_name",
+    "overwrite_output_dir",
+    "resume_from_checkpoint",
+    "do_train",
+    "do_eval",
+    "do_predict",
+    "local_rank",
+    "report_to",
+    "disable_tqdm",
+    "hub_token",
+    "dataloader_pin_memory",  # set from the machine (RunArguments)
+}
+# What a run leaves in its folder that a new run's files could be mixed with: removed by --overwrite_output_dir.
+RUN_OUTPUTS = ("checkpoint-*", "*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", RUN_RECORD)
+
+
+@dataclass
+class RunArguments:
+    """The output folder, time budget and final weights of a run; mixed into every script's TrainingArguments."""
+
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={
+            "help": "Start a new run in an --output_dir that holds another run (or other files), removing its "
+            "checkpoints and weights first; without it such a folder is refused. The same command run again always "
+            "resumes its own run."
+        },
+    )
+    max_train_minutes: float | None = field(
+        default=None,
+        metadata={
+            "help": "Time budget: stop training cleanly after this many minutes of training (summed over restarts, "
+            "evaluations during training included) and save a checkpoint. --max_steps still applies."
+        },
+    )
+    eval_every_minutes: float | None = field(
+        default=None, metadata={"help": "Also evaluate every this many minutes of training."}
+    )
+    save_every_minutes: float | None = field(
+        default=None, metadata={"help": "Also save a checkpoint every this many minutes of training."}
+    )
+    average_last_checkpoints: int = field(
+        default=0,
+        metadata={
+            "help": "After training, average the weights of the last k checkpoints (paper §6.1: 5). With --do_eval "
+            "the averaged weights are kept only if they score better on the validation set (--metric_for_best_model, "
+            "default loss), else the last weights are."
+        },
+    )
+
+    def __post_init__(self):
+        for name in ("max_train_minutes", "eval_every_minutes", "save_every_minutes"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ValueError(f"--{name} must be positive, got {getattr(self, name)}.")
+        if self.average_last_checkpoints < 0:
+            raise ValueError(f"--average_last_checkpoints must be 0 (off) or more, got {self.average_last_checkpoints}")
+        if not torch.accelerator.is_available():
+            self.dataloader_pin_memory = False  # pinned memory only speeds up copies to an accelerator; torch warns
+        super().__post_init__()
+        if self.average_last_checkpoints and self.save_strategy == SaveStrategy.NO:
+            raise ValueError("--average_last_checkpoints averages saved checkpoints: it needs a --save_strategy.")
+
+
+def run_record(arguments: tuple[Any, ...]) -> dict[str, Any]:
+    """What defines a run: every argument of the script but those in NOT_PART_OF_THE_RUN, as JSON values."""
+    values = {}
+    for group in arguments:
+        values.update(group.to_dict() if hasattr(group, "to_dict") else asdict(group))
+    values = {name: value for name, value in values.items() if name not in NOT_PART_OF_THE_RUN}
+    return json.loads(json.dumps(values, default=str, sort_keys=True))
+
+
+def read_run_record(output_dir: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((output_dir / RUN_RECORD).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):  # a record cut short was being written by a killed run
+        return None
+
+
+def write_run_record(output_dir: Path, record: dict[str, Any]) -> None:
+    """Written under another name and renamed, so that a kill leaves the old record or the new one."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    partial = output_dir / f".{RUN_RECORD}.partial"
+    partial.write_text(json.dumps(record, indent=1, sort_keys=True))
+    os.replace(partial, output_dir / RUN_RECORD)
+
+
+def differences(recorded: dict[str, Any], current: dict[str, Any], shown: int = 5) -> str:
+    names = sorted(name for name in recorded.keys() | current.keys() if recorded.get(name) != current.get(name))
+    listed = [f"--{name} {recorded.get(name)!r} there, {current.get(name)!r} here" for name in names[:shown]]
+    return "; ".join(listed) + (f"; and {len(names) - shown} more" if len(names) > shown else "")
+
+
+def remove_run_outputs(output_dir: Path) -> None:
+    for pattern in RUN_OUTPUTS:
+        for path in sorted(output_dir.glob(pattern)):
+            logger.warning("--overwrite_output_dir: removing %s", path)
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+
+def remove_interrupted_checkpoints(output_dir: Path, world_size: int) -> None:
+    """Remove the checkpoints after the run's last complete one: their saves were killed, and the resumed run saves
+    them again."""
+    complete = complete_checkpoints(output_dir, world_size)
+    last_step = checkpoint_step(complete[-1]) if complete else -1
+    for path in sorted(output_dir.glob("checkpoint-*")):
+        if (checkpoint_step(path) or -1) > last_step:
+            logger.warning("Removing %s: its save was interrupted", path)
+            shutil.rmtree(path)
+
+
+def prepare_output_dir(arguments: tuple[Any, ...]) -> None:
+    """Call after the arguments and data are checked and before anything is trained: refuse a folder that holds
+    another run (unless --overwrite_output_dir), or set --resume_from_checkpoint to this run's last complete checkpoint
+    when the same command runs again. `arguments` are the script's argument dataclasses, TrainingArguments last."""
+    training_args = arguments[-1]
+    if not training_args.do_train:
+        return
+    output_dir, current = Path(training_args.output_dir), run_record(arguments)
+    world_size, main_process = training_args.world_size, training_args.process_index == 0
+    with training_args.main_process_first(desc="checking the output directory"):
+        recorded, chosen = read_run_record(output_dir), training_args.resume_from_checkpoint
+        holds_files = output_dir.is_dir() and any(path.name != RUN_RECORD for path in output_dir.iterdir())
+        if chosen is not None and (not holds_files or Path(chosen).resolve().parent == output_dir.resolve()):
+            pass  # the user's checkpoint continues its run here, with these arguments from now on
+        elif chosen is None and recorded == current:
+            if main_process:
+                remove_interrupted_checkpoints(output_dir, world_size)
+            complete = complete_checkpoints(output_dir, world_size)
+            if complete:
+                logger.info("%s holds this run: resuming from %s", output_dir, complete[-1].name)
+                training_args.resume_from_checkpoint = str(complete[-1])
+        elif holds_files:
+            if not training_args.overwrite_output_dir:
+                held = f"another run ({differences(recorded, current)})" if recorded else f"files but no {RUN_RECORD}"
+                complete = complete_checkpoints(output_dir, world_size) if recorded else []
+                resume = f", or --resume_from_checkpoint {complete[-1]} to continue that run" if complete else ""
+                raise ValueError(
+                    f"--output_dir {output_dir} holds {held}. Pass --overwrite_output_dir to replace it (its "
+                    f"checkpoints and weights are removed), another --output_dir{resume}."
+                )
+            if main_process:
+                remove_run_outputs(output_dir)
+        if main_process:
+            write_run_record(output_dir, current)
+
+
+class RunTracker(TrainerCallback, ExportableState):
+    """A run's id and training time, saved in every checkpoint's trainer_state.json and taken back from the
+    checkpoint a run resumes from. Stops training at `max_train_minutes` (and saves), evaluates and saves every
+    `eval_every_minutes`/`save_every_minutes`, all counted in training time."""
+
+    def __init__(
+        self,
+        max_train_minutes: float | None = None,
+        eval_every_minutes: float | None = None,
+        save_every_minutes: float | None = None,
+        clock: Callable[[], float] | None = None,
+    ):
+        self.max_train_minutes = max_train_minutes
+        self.every_minutes = {"evaluate": eval_every_minutes, "save": save_every_minutes}
+        self.clock = clock or time.monotonic
+        self.run_id = uuid.uuid4().hex
+        self.train_seconds = 0.0  # training time before this process started (or resumed) training
+        self.started_at: float | None = None
+        self.next_at: dict[str, float] = {}
+
+    def elapsed_seconds(self) -> float:
+        running = self.clock() - self.started_at if self.started_at is not None else 0.0
+        return self.train_seconds + running
+
+    def state(self) -> dict:
+        args = {
+            "max_train_minutes": self.max_train_minutes,
+            "eval_every_minutes": self.every_minutes["evaluate"],
+            "save_every_minutes": self.every_minutes["save"],
+        }
+        return {"args": args, "attributes": {"run_id": self.run_id, "train_seconds": self.elapsed_seconds()}}
+
+    def next_time(self, action: str, elapsed: float) -> float:
+        """The first multiple of the action's interval after `elapsed` seconds."""
+        interval = 60 * self.every_minutes[action]
+        return (elapsed // interval + 1) * interval
+
+    @staticmethod
+    def saved_attributes(stateful_callbacks: dict) -> dict[str, Any]:
+        saved = stateful_callbacks.get(RunTracker.__name__, {})
+        return saved.get("attributes", {}) if isinstance(saved, dict) else {}
+
+    def restore(self, state: TrainerState) -> None:
+        """Take the run id and training time from the state (a resumed run's: its checkpoint's)."""
+        attributes = self.saved_attributes(state.stateful_callbacks)
+        self.run_id = attributes.get("run_id", self.run_id)
+        self.train_seconds = attributes.get("train_seconds", self.train_seconds)
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.restore(state)
+        self.started_at = self.clock()
+        actions = [action for action, minutes in self.every_minutes.items() if minutes]
+        self.next_at = {action: self.next_time(action, self.train_seconds) for action in actions}
+
+    def on_step_end(self, args, state, control, **kwargs):
+        elapsed = self.elapsed_seconds()
+        stop = self.max_train_minutes is not None and elapsed >= 60 * self.max_train_minutes
+        for action, at in self.next_at.items():
+            if elapsed >= at:
+                self.next_at[action] = self.next_time(action, elapsed)
+                if not (stop and action == "evaluate"):  # the evaluation after training comes next anyway
+                    setattr(control, f"should_{action}", True)
+        if stop:
+            logger.info("The %s-minute time budget ends training at step %d", self.max_train_minutes, state.global_step)
+            control.should_training_stop = True
+            control.should_save = args.save_strategy != SaveStrategy.NO
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.train_seconds, self.started_at = self.elapsed_seconds(), None  # the clock stops with training
+
+
+class RunTrainerMixin(Trainer):
+    """A Trainer with a RunTracker built from the RunArguments; its logs carry the run's training minutes."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        options = self.args
+        self.add_callback(RunTracker(options.max_train_minutes, options.eval_every_minutes, options.save_every_minutes))
+
+    @property
+    def run_tracker(self) -> RunTracker:
+        return next(callback for callback in self.callback_handler.callbacks if isinstance(callback, RunTracker))
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        logs["train_minutes"] = round(self.run_tracker.elapsed_seconds() / 60, 4)
+        super().log(logs, start_time)
+
+
+def load_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    """Load saved weights; those missing are the tied ones (save_pretrained stores a tied weight once)."""
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    untied_missing = set(missing) - set(getattr(model, "all_tied_weights_keys", {}))
+    if untied_missing or unexpected:
+        raise ValueError(f"Weights do not fit the model: missing {sorted(untied_missing)}, unexpected {unexpected}.")
+
+
+def keep_last_or_averaged_weights(trainer: Trainer, evaluate: Callable[[], dict[str, float]]) -> dict[str, float]:
+    """Average the run's last --average_last_checkpoints checkpoints into the model. With --do_eval, evaluate both
+    the last and the averaged weights and keep the better ones by --metric_for_best_model (the validation set makes
+    the choice); returns the kept weights' evaluation and how many checkpoints they average (1: the last weights)."""
+    args = trainer.args
+    if trainer.is_fsdp_enabled:
+        raise ValueError("--average_last_checkpoints loads whole weights into the model, which FSDP shards.")
+    last_k = min(args.average_last_checkpoints, len(complete_checkpoints(args.output_dir)))
+    if last_k < args.average_last_checkpoints:  # a time budget ran out before k checkpoints were saved
+        logger.warning("Only %d checkpoints to average, not %d", last_k, args.average_last_checkpoints)
+    if last_k < 2:
+        return (evaluate() if args.do_eval else {}) | {"averaged_checkpoints": 1}
+    checkpoints = last_checkpoints(args.output_dir, last_k)
+    averaged = averaged_weights(checkpoints)
+    logger.info("Averaging %s", [path.name for path in checkpoints])
+    if not args.do_eval:
+        load_weights(trainer.model, averaged)
+        return {"averaged_checkpoints": len(checkpoints)}
+    last_weights = {name: tensor.clone() for name, tensor in trainer.model.state_dict().items()}
+    last_metrics = evaluate()
+    load_weights(trainer.model, averaged)
+    averaged_metrics = evaluate()
+    metric = "eval_" + (args.metric_for_best_model or "loss").removeprefix("eval_")
+    better = operator.gt if args.greater_is_better else operator.lt
+    keep_averaged = better(averaged_metrics[metric], last_metrics[metric])
+    if not keep_averaged:
+        load_weights(trainer.model, last_weights)
+    comparison = {f"{metric}_last": last_metrics[metric], f"{metric}_averaged": averaged_metrics[metric]}
+    comparison["averaged_checkpoints"] = len(checkpoints) if keep_averaged else 1
+    trainer.log(dict(comparison))  # log() adds its own fields to the dict it gets
+    return (averaged_metrics if keep_averaged else last_metrics) | comparison
+
+
+def finished_run(checkpoint: Path, args: Any) -> bool:
+    """Whether the checkpoint ends its run: its step reaches --max_steps (or the epochs' steps) or its training time
+    the time budget. The Trainer resumed from such a checkpoint would still take one more step."""
+    state = trainer_state(checkpoint)
+    seconds = RunTracker.saved_attributes(state.get("stateful_callbacks", {})).get("train_seconds", 0.0)
+    max_steps = args.max_steps if args.max_steps > 0 else state["max_steps"]
+    return state["global_step"] >= max_steps or (args.max_train_minutes or float("inf")) * 60 <= seconds
+
+
+def train_and_choose_weights(trainer: Trainer, evaluate: Callable[[], dict[str, float]]) -> dict[str, float]:
+    """--do_train (resuming from --resume_from_checkpoint, which prepare_output_dir sets when the run resumes; a
+    checkpoint that ends the run is loaded, not trained on), then the weights to keep (--average_last_checkpoints;
+    with --do_eval, `evaluate` scores both candidates and the kept weights' evaluation is returned)."""
+    args = trainer.args
+    if not args.do_train:
+        return {}
+    checkpoint = Path(args.resume_from_checkpoint) if args.resume_from_checkpoint else None
+    if checkpoint is not None and finished_run(checkpoint, args):
+        logger.info("%s ends the run: its weights are loaded, nothing is trained", checkpoint)
+        load_weights(trainer.model, checkpoint_weights(checkpoint))
+        trainer.state = TrainerState.load_from_json(str(checkpoint / TRAINER_STATE))
+        trainer.run_tracker.restore(trainer.state)
+        metrics = {"train_minutes": round(trainer.run_tracker.elapsed_seconds() / 60, 4)}
+    else:
+        metrics = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint).metrics
+    if trainer.args.average_last_checkpoints:
+        metrics |= keep_last_or_averaged_weights(trainer, evaluate)
+    return metrics
+
+
+def train_and_evaluate(trainer: Trainer, evaluate: Callable[[], dict[str, float]]) -> dict[str, float]:
+    """train_and_choose_weights, then --do_eval through `evaluate` unless choosing the weights evaluated them."""
+    args = trainer.args
+    metrics = train_and_choose_weights(trainer, evaluate)
+    if args.do_eval and not (args.do_train and args.average_last_checkpoints):
+        metrics |= evaluate()
+    return metrics

@@ -123,7 +123,7 @@ PAIRS = [("she has two books", "sie hat zwei Bücher"), ("forty-two", "zweiundvi
 @pytest.mark.parametrize(
     "arguments, message",
     [
-        (["--config_overrides", "norm_position=sideways"], r"--config_overrides: [\s\S]*'norm_position' expected one of"),
+        (["--config_overrides", "norm_position=sideways"], r"--config_overrides: [\s\S]*'norm_position' expected"),
         (["--config_overrides", "d_modle=32"], r"--config_overrides: 'd_modle' is not a VanillaTransformerConfig"),
         (["--preset", "transformer-tiny"], r"--preset 'transformer-tiny' is not one of"),
         (["--train_file", "{tmp}/missing.jsonl"], r"--train_file \S+missing.jsonl: no such file"),

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import TrainerControl, TrainerState
+from transformers import MarianConfig, MarianMTModel, TrainerControl, TrainerState
 
 TRAINING_DIR = Path(__file__).resolve().parents[1] / "training"
 sys.path.insert(0, str(TRAINING_DIR))
@@ -272,3 +272,48 @@ def test_time_budget_stops_then_averages_and_scores_the_test_set(tmp_path, monke
         torch.testing.assert_close(tensor, expected.float(), rtol=0, atol=1e-7)
     card = (output_dir / "README.md").read_text()
     assert "bleu_lowercase" in card and "training minutes" in card
+
+
+def test_a_saved_transformers_seq2seq_model_trains_with_the_script(tmp_path):
+    """What the recipe's INIT_MODEL does (benchmarks/multi30k_time_to_bleu.py trains HF Marian so): any saved seq2seq
+    model and its tokenizer train with the script's flags; the run's log history is kept (trainer_state.json), and
+    the package's model card is written for its own models only."""
+    files = {
+        split: write_pairs(tmp_path / f"{split}.jsonl", PAIRS[:size])
+        for split, size in [("train", 40), ("validation", 6)]
+    }
+    tokenizer = train_bpe_tokenizer((text for pair in PAIRS for text in pair), 120)
+    start_id = tokenizer.bos_token_id
+    config = MarianConfig(
+        vocab_size=len(tokenizer),
+        decoder_vocab_size=len(tokenizer),
+        d_model=16,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=32,
+        decoder_ffn_dim=32,
+        max_position_embeddings=64,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=start_id,
+        decoder_start_token_id=start_id,
+    )
+    torch.manual_seed(0)
+    init_dir, output_dir = tmp_path / "marian-init", tmp_path / "out"
+    MarianMTModel(config).save_pretrained(init_dir)
+    tokenizer.save_pretrained(init_dir)
+    metrics = train_seq2seq.main(
+        [*QUIET, "--model_name_or_path", str(init_dir), "--output_dir", str(output_dir), "--do_train", "--do_eval"]
+        + ["--train_file", str(files["train"]), "--validation_file", str(files["validation"])]
+        + ["--source_lang", "en", "--target_lang", "de", "--max_steps", "6", "--warmup_steps", "2"]
+        + ["--per_device_train_batch_size", "4", "--logging_steps", "2", "--max_new_tokens_over_source", "4"]
+    )
+    trained = MarianMTModel.from_pretrained(output_dir)
+    initial = MarianMTModel.from_pretrained(init_dir)
+    assert not torch.equal(trained.model.shared.weight, initial.model.shared.weight)
+    history = json.loads((output_dir / "trainer_state.json").read_text())["log_history"]
+    assert [entry["step"] for entry in history if "loss" in entry] == [2, 4, 6]
+    assert "eval_bleu" in metrics and json.loads((output_dir / "all_results.json").read_text())["eval_bleu"] >= 0
+    assert not (output_dir / "README.md").exists()

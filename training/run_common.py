@@ -463,9 +463,10 @@ def schedule_description(training_args: Any) -> str:
 
 
 def save_run(trainer: Trainer, metrics: dict[str, float], dataset: str, card_args: dict[str, Any]) -> None:
-    """Model, tokenizer and code files, then the model card with metrics and the training plots (main process): the
-    test split's metrics when there are any, else the validation split's."""
+    """Model, tokenizer, code files and trainer state, then the model card with metrics and the training plots (main
+    process): the test split's metrics when there are any, else the validation split's."""
     trainer.save_model()
+    trainer.save_state()  # trainer_state.json: the whole log history (losses, evaluations with their minutes)
     if not trainer.is_world_process_zero():
         return
     output_dir = Path(trainer.args.output_dir)
@@ -475,8 +476,10 @@ def save_run(trainer: Trainer, metrics: dict[str, float], dataset: str, card_arg
     split = "test" if any(name.startswith("test_") for name in metrics) else "eval"  # the card reports one split
     keep = [f"{split}_{name}" for name in ("bleu", "bleu_lowercase", "chrf", "loss", "perplexity")]
     results = {name: metrics[name] for name in keep if name in metrics and math.isfinite(metrics[name])}
-    with original_module_class(trainer.model):
-        write_model_card(trainer.model, output_dir, results=results, dataset=dataset, plot_path=plot, **card_args)
+    # Any seq2seq checkpoint trains here (HF Marian too, for comparisons); the card describes this package's models.
+    if trainer.model.config.model_type == VanillaTransformerConfig.model_type:
+        with original_module_class(trainer.model):
+            write_model_card(trainer.model, output_dir, results=results, dataset=dataset, plot_path=plot, **card_args)
     with open(os.path.join(output_dir, "all_results.json"), "w") as file:
         json.dump(metrics, file, indent=2)
 

@@ -11,7 +11,8 @@
 #   ...), test_generations.txt and the plot of validation BLEU against training minutes. Run the same command again
 #   after an interruption and it resumes where the run's last checkpoint left it.
 #   Settings: BUDGET_MINUTES (60, the whole recipe), TRAIN_MINUTES (the training part of it, default 5 less), PYTHON,
-#   EXTRA_ARGS (more train_seq2seq.py flags; they win).
+#   EXTRA_ARGS (more train_seq2seq.py flags; they win), INIT_MODEL (a saved, untrained seq2seq model and its tokenizer
+#   to train instead of the recipe's new one: benchmarks/multi30k_time_to_bleu.py trains HF Marian this way).
 set -euo pipefail
 if [ $# -ne 2 ]; then
   echo "usage: bash $0 DATA_DIR OUT_DIR" >&2
@@ -38,6 +39,14 @@ if grep -qwE 'amx_bf16|avx512_bf16' /proc/cpuinfo 2>/dev/null \
   PRECISION=(--bf16 --use_cpu true)  # transformers takes --bf16 on a CPU only with --use_cpu
 fi
 
+MODEL=(--preset transformer-base --tokenizer_vocab_size 8000
+  --config_overrides "d_model=256,encoder_layers=3,decoder_layers=3,encoder_attention_heads=4,decoder_attention_heads=4,encoder_ffn_dim=1024,decoder_ffn_dim=1024,dropout=0.1")
+if [ -n "${INIT_MODEL:-}" ]; then
+  MODEL=(--model_name_or_path "$INIT_MODEL")
+fi
+
+# Batches of sentences of similar length (transformers' LengthGroupedSampler), as the paper batches "by approximate
+# sequence length" (§5.1): a random batch of 64 Multi30k sentences is mostly padding.
 # Both cores, their OpenMP workers sleeping while they wait, so that another process on a core slows a step instead of
 # stalling every parallel operation (README, Training: 150 demo steps in 23-31 s against 90-234 s with the default).
 export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
@@ -47,9 +56,8 @@ start=$(date +%s)
   --train_file "$DATA_DIR/train.jsonl" --validation_file "$DATA_DIR/validation.jsonl" \
   --test_file "$DATA_DIR/test2016.jsonl" --source_lang en --target_lang de \
   --do_train --do_eval --do_predict \
-  --preset transformer-base --tokenizer_vocab_size 8000 \
-  --config_overrides "d_model=256,encoder_layers=3,decoder_layers=3,encoder_attention_heads=4,decoder_attention_heads=4,encoder_ffn_dim=1024,decoder_ffn_dim=1024,dropout=0.1" \
-  --per_device_train_batch_size 64 --warmup_steps 800 \
+  "${MODEL[@]}" \
+  --per_device_train_batch_size 64 --train_sampling_strategy group_by_length --warmup_steps 800 \
   --max_steps 1000000 --max_train_minutes "$TRAIN_MINUTES" \
   --save_every_minutes 2 --save_steps 1000000 --save_total_limit 6 --average_last_checkpoints 5 \
   --eval_every_minutes 10 --metric_for_best_model bleu --per_device_eval_batch_size 100 \

@@ -12,12 +12,7 @@ Run: python -m pytest -q tests/test_distributed.py
 import json
 import os
 import shutil
-import signal
-import socket
-import subprocess
 import sys
-import time
-from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
@@ -28,6 +23,7 @@ from accelerate.utils import DistributedType
 from accelerate.utils.launch import prepare_multi_gpu_env
 from conftest import tiny_config
 from deepspeed.runtime.config import DeepSpeedConfig
+from ranks import run_ranks
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from transformers import Seq2SeqTrainingArguments
@@ -56,7 +52,6 @@ COMMON += ["--report_to", "none", "--disable_tqdm", "true", "--dataloader_pin_me
 COMMON += ["--label_smoothing_factor", "0", "--warmup_steps", "8", "--do_train", "--max_steps", "4"]
 COMMON += ["--logging_steps", "1", "--save_steps", "2"]
 GLOBAL_BATCH = 16
-INHERITED = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_", "TORCHELASTIC", "ACCELERATE_", "FSDP_")
 
 
 def launch_environment(config_file: Path, num_processes: int) -> dict[str, str]:
@@ -66,51 +61,10 @@ def launch_environment(config_file: Path, num_processes: int) -> dict[str, str]:
     return {key: value for key, value in prepare_multi_gpu_env(args).items() if os.environ.get(key) != value}
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def run_ranks(argv: list[str], log_dir: Path, num_processes: int = 2) -> None:
-    """Runs the training script as `num_processes` ranks of one job. When a rank fails the others are ended at once
-    (they would wait in a collective), and the test fails with the ranks' output."""
-    clean = {key: value for key, value in os.environ.items() if not key.startswith(INHERITED)}
-    env = clean | launch_environment(FSDP_CONFIG, num_processes) | {"OMP_NUM_THREADS": "1"}
-    env |= {"PYTHONPATH": os.pathsep.join([str(REPO), clean.get("PYTHONPATH", "")])}
-    env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(num_processes)}
-    env |= {"LOCAL_WORLD_SIZE": str(num_processes)}
-    logs = [log_dir / f"rank{rank}.log" for rank in range(num_processes)]
-    with ExitStack() as files:
-        ranks = [
-            subprocess.Popen(
-                [sys.executable, str(SCRIPT), *argv],
-                env=env | {"RANK": str(rank), "LOCAL_RANK": str(rank)},
-                stdout=files.enter_context(log.open("w")),
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # its own process group, so a hung rank and its children can be ended
-            )
-            for rank, log in enumerate(logs)
-        ]
-        deadline = time.monotonic() + RANK_TIMEOUT_S
-        try:
-            while time.monotonic() < deadline and not all_done_or_one_failed(ranks):
-                time.sleep(0.2)
-        finally:
-            for process in ranks:
-                if process.poll() is None:
-                    os.killpg(process.pid, signal.SIGKILL)
-                    process.wait()
-    outputs = [
-        f"rank {rank}, exit code {process.returncode}:\n{log.read_text()[-3000:]}"
-        for rank, (process, log) in enumerate(zip(ranks, logs, strict=True))
-    ]
-    assert all(process.returncode == 0 for process in ranks), "\n".join(outputs)
-
-
-def all_done_or_one_failed(processes: list[subprocess.Popen]) -> bool:
-    codes = [process.poll() for process in processes]
-    return all(code is not None for code in codes) or any(code not in (None, 0) for code in codes)
+def run_fsdp_ranks(argv: list[str], log_dir: Path, num_processes: int = 2) -> None:
+    """The training script as the ranks `accelerate launch` (FSDP2) would start."""
+    env = launch_environment(FSDP_CONFIG, num_processes)
+    run_ranks([str(SCRIPT), *argv], log_dir, RANK_TIMEOUT_S, num_processes, env)
 
 
 def logged(run_dir: Path, key: str) -> list[float]:
@@ -123,7 +77,7 @@ def trained_pair(tmp_path_factory, name: str, overrides: str) -> tuple[Path, Pat
     fsdp_dir, single_dir = tmp_path_factory.mktemp(f"{name}_fsdp"), tmp_path_factory.mktemp(f"{name}_single")
     argv = [*COMMON, "--config_overrides", overrides]
     fsdp_argv = [*argv, "--output_dir", str(fsdp_dir), "--per_device_train_batch_size", str(GLOBAL_BATCH // 2)]
-    run_ranks(fsdp_argv, log_dir=tmp_path_factory.mktemp(f"{name}_logs"))
+    run_fsdp_ranks(fsdp_argv, log_dir=tmp_path_factory.mktemp(f"{name}_logs"))
     train_seq2seq.main([*argv, "--output_dir", str(single_dir), "--per_device_train_batch_size", str(GLOBAL_BATCH)])
     return fsdp_dir, single_dir
 
@@ -192,7 +146,7 @@ def test_fsdp_resumes_from_its_sharded_checkpoint(dense_runs, tmp_path):
     shutil.copytree(fsdp_dir / "checkpoint-2", tmp_path / "checkpoint-2")
     argv = [*COMMON, "--config_overrides", TINY, "--output_dir", str(tmp_path)]
     argv += ["--per_device_train_batch_size", str(GLOBAL_BATCH // 2)]
-    run_ranks([*argv, "--resume_from_checkpoint", str(tmp_path / "checkpoint-2")], log_dir=tmp_path)
+    run_fsdp_ranks([*argv, "--resume_from_checkpoint", str(tmp_path / "checkpoint-2")], log_dir=tmp_path)
     uninterrupted, resumed = load_file(fsdp_dir / "model.safetensors"), load_file(tmp_path / "model.safetensors")
     assert uninterrupted.keys() == resumed.keys()
     for name, tensor in uninterrupted.items():

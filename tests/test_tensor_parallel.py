@@ -12,17 +12,11 @@ Run: python -m pytest -q tests/test_tensor_parallel.py
 """
 
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
-from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
 import torch
+from ranks import run_ranks
 from safetensors.torch import load_file
 from tensor_parallel_script import (
     CASES,
@@ -38,52 +32,6 @@ from hf_vanilla_transformer import VanillaTransformerForConditionalGeneration
 
 SCRIPT = Path(__file__).with_name("tensor_parallel_script.py")
 RANK_TIMEOUT_S = 300
-INHERITED = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_", "TORCHELASTIC", "ACCELERATE_", "FSDP_")
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def run_two_ranks(root: Path) -> None:
-    """Both ranks of the script; when one fails the other is ended at once (it would wait in a collective)."""
-    clean = {key: value for key, value in os.environ.items() if not key.startswith(INHERITED)}
-    env = clean | {"OMP_NUM_THREADS": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
-    env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    env |= {"PYTHONPATH": os.pathsep.join([str(SCRIPT.parents[1]), clean.get("PYTHONPATH", "")])}
-    logs = [root / f"rank{rank}.log" for rank in range(2)]
-    with ExitStack() as files:
-        ranks = [
-            subprocess.Popen(
-                [sys.executable, str(SCRIPT), str(root)],
-                env=env | {"RANK": str(rank), "LOCAL_RANK": str(rank)},
-                stdout=files.enter_context(log.open("w")),
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # its own process group, so a hung rank and its children can be ended
-            )
-            for rank, log in enumerate(logs)
-        ]
-        deadline = time.monotonic() + RANK_TIMEOUT_S
-        try:
-            while time.monotonic() < deadline and not all_done_or_one_failed(ranks):
-                time.sleep(0.2)
-        finally:
-            for process in ranks:
-                if process.poll() is None:
-                    os.killpg(process.pid, signal.SIGKILL)
-                    process.wait()
-    outputs = [
-        f"rank {rank}, exit code {process.returncode}:\n{log.read_text()[-4000:]}"
-        for rank, (process, log) in enumerate(zip(ranks, logs, strict=True))
-    ]
-    assert all(process.returncode == 0 for process in ranks), "\n".join(outputs)
-
-
-def all_done_or_one_failed(processes: list[subprocess.Popen]) -> bool:
-    codes = [process.poll() for process in processes]
-    return all(code is not None for code in codes) or any(code not in (None, 0) for code in codes)
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +43,7 @@ def root(tmp_path_factory) -> Path:
     # A new model with its tokenizer, as the training script writes it (after one step).
     new_model = [*SCRIPT_DATA, "--config_overrides", SCRIPT_MODEL, "--do_train", "--max_steps", "1"]
     train_seq2seq.main([*new_model, "--output_dir", str(root / "script_model")])
-    run_two_ranks(root)
+    run_ranks([str(SCRIPT), str(root)], log_dir=root, timeout_s=RANK_TIMEOUT_S)
     fine_tuning = [*FINE_TUNING, "--model_name_or_path", str(root / "script_model")]
     train_seq2seq.main([*fine_tuning, "--output_dir", str(root / "fine_tuned")])
     return root

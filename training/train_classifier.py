@@ -145,6 +145,18 @@ def plot_confusion_matrix(counts: np.ndarray, names: list[str], path: Path) -> P
     return path
 
 
+def validation_confusion_matrix(trainer, validation, names: list[str], metrics: dict[str, float]) -> str:
+    """Predicts the validation split into `metrics` and plots its confusion matrix beside the model (main process);
+    returns the model card's paragraph that shows the plot."""
+    prediction = trainer.predict(validation, metric_key_prefix="eval")
+    metrics.update(prediction.metrics)
+    logits = prediction.predictions[0] if isinstance(prediction.predictions, tuple) else prediction.predictions
+    counts = confusion_matrix(prediction.label_ids, logits.argmax(-1), len(names))
+    if trainer.is_world_process_zero():
+        plot_confusion_matrix(counts, names, Path(trainer.args.output_dir) / CONFUSION_PLOT)
+    return f"\n\nConfusion matrix on the validation set:\n\n![Confusion matrix]({CONFUSION_PLOT})"
+
+
 def classifier_tokenizer(
     model_args: ModelArguments, data_args: ClassifierDataArguments, data: DatasetDict
 ) -> PreTrainedTokenizerBase:
@@ -216,13 +228,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     description += f" from `{model_args.model_name_or_path}`" if model_args.model_name_or_path else " from scratch"
     description += ", the stack frozen (only the classifier trained)." if model_args.freeze_base_model else "."
     if training_args.do_eval:
-        prediction = trainer.predict(splits["validation"], metric_key_prefix="eval")
-        metrics.update(prediction.metrics)
-        logits = prediction.predictions[0] if isinstance(prediction.predictions, tuple) else prediction.predictions
-        counts = confusion_matrix(prediction.label_ids, logits.argmax(-1), len(names))
-        if trainer.is_world_process_zero():
-            plot_confusion_matrix(counts, names, output_dir / CONFUSION_PLOT)
-            description += f"\n\nConfusion matrix on the validation set:\n\n![Confusion matrix]({CONFUSION_PLOT})"
+        description += validation_confusion_matrix(trainer, splits["validation"], names, metrics)
     trainer.log_metrics("all", metrics)
     if trainer.is_world_process_zero():
         plot = plot_training_curves(trainer.state.log_history, output_dir / "training_curves.png")

@@ -36,13 +36,11 @@ from run_common import (
 )
 from train_causal_lm import PaperTrainer
 from train_classifier import (
-    CONFUSION_PLOT,
     FineTuningArguments,
-    confusion_matrix,
     freeze_base_model,
     label_names,
     metrics_for,
-    plot_confusion_matrix,
+    validation_confusion_matrix,
 )
 from transformers import AutoImageProcessor, AutoModelForImageClassification, ViTImageProcessorPil
 
@@ -282,13 +280,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     description = f"Trained with `training/train_image_classifier.py` of hf_vanilla_transformer from {source}"
     description += ", the encoder frozen (only the classifier trained)." if model_args.freeze_base_model else "."
     if training_args.do_eval:
-        prediction = trainer.predict(splits["validation"], metric_key_prefix="eval")
-        metrics.update(prediction.metrics)
-        logits = prediction.predictions[0] if isinstance(prediction.predictions, tuple) else prediction.predictions
-        counts = confusion_matrix(prediction.label_ids, logits.argmax(-1), len(names))
-        if trainer.is_world_process_zero():
-            plot_confusion_matrix(counts, names, output_dir / CONFUSION_PLOT)
-            description += f"\n\nConfusion matrix on the validation set:\n\n![Confusion matrix]({CONFUSION_PLOT})"
+        description += validation_confusion_matrix(trainer, splits["validation"], names, metrics)
     trainer.log_metrics("all", metrics)
     # Any checkpoint trains here (transformers' ViT too, for comparisons); the card describes this package's models.
     if trainer.is_world_process_zero() and model.config.model_type == "vanilla_transformer":

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import MarianConfig, MarianMTModel, TrainerControl, TrainerState
+from transformers import AutoModelForSeq2SeqLM, MarianConfig, MarianMTModel, TrainerControl, TrainerState
 
 TRAINING_DIR = Path(__file__).resolve().parents[1] / "training"
 sys.path.insert(0, str(TRAINING_DIR))
@@ -317,3 +317,28 @@ def test_a_saved_transformers_seq2seq_model_trains_with_the_script(tmp_path):
     assert [entry["step"] for entry in history if "loss" in entry] == [2, 4, 6]
     assert "eval_bleu" in metrics and json.loads((output_dir / "all_results.json").read_text())["eval_bleu"] >= 0
     assert not (output_dir / "README.md").exists()
+
+
+def test_the_multi30k_recipe_runs_end_to_end_on_a_tiny_corpus(tmp_path):
+    """`training/recipes/multi30k_en_de.sh DATA_DIR OUT_DIR` on three tiny files laid out as Multi30k, a tiny model
+    (EXTRA_ARGS win over the recipe's flags) and a few seconds of budget: it trains, stops on the clock, averages or
+    keeps the last weights on validation, scores test2016 once and leaves a model the Auto classes load."""
+    data_dir = tmp_path / "multi30k"
+    data_dir.mkdir()
+    for split, size in [("train", 40), ("validation", 6), ("test2016", 4)]:
+        write_pairs(data_dir / f"{split}.jsonl", PAIRS[:size])
+    tiny = "d_model=16,encoder_layers=1,decoder_layers=1,encoder_attention_heads=2,decoder_attention_heads=2,"
+    tiny += "encoder_ffn_dim=32,decoder_ffn_dim=32"
+    extra = f"--config_overrides {tiny} --tokenizer_vocab_size 120 --per_device_train_batch_size 4 "
+    extra += "--warmup_steps 4 --save_every_minutes 0.02 --eval_every_minutes 0.05 --max_new_tokens_over_source 4"
+    env = os.environ | {"TRAIN_MINUTES": "0.1", "PYTHON": sys.executable, "EXTRA_ARGS": extra, "OMP_NUM_THREADS": "1"}
+    recipe = TRAINING_DIR / "recipes" / "multi30k_en_de.sh"
+    out = tmp_path / "out"
+    finished = subprocess.run(["bash", str(recipe), str(data_dir), str(out)], env=env, capture_output=True, text=True)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    results = json.loads((out / "all_results.json").read_text())
+    assert 0.1 <= results["train_minutes"] < 1 and {"test_bleu", "test_bleu_lowercase", "eval_bleu"} <= results.keys()
+    assert (out / "test_generations.txt").read_text().count("\n") == 4
+    assert (out / run_common.BLEU_PLOT).exists() and "test2016.jsonl" in (out / "README.md").read_text()
+    model = AutoModelForSeq2SeqLM.from_pretrained(out)
+    assert model.config.d_model == 16

@@ -110,19 +110,18 @@ def main() -> None:
     parser.add_argument("--output", type=Path, default=None, help="JSON path (default benchmarks/results/<date>.json)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    flags = [flag for flag in ("amx_bf16", "avx512_bf16") if flag in Path("/proc/cpuinfo").read_text().split()]
     cpu = torch.device("cpu")
     results = {
-        "environment": environment(cpu) | {"bf16_flags": flags},
+        "environment": environment(cpu),
         "matmul_peak_flops": {
             str(dtype): matmul_peak_flops(2048, dtype, cpu, args.repeats, clock="cpu")
             for dtype in (torch.float32, torch.bfloat16)
         },
         "sizes": [size_section(size, args.repeats) for size in args.sizes.split(",")],
     }
-    peaks = results["matmul_peak_flops"]
+    peaks, cpu = results["matmul_peak_flops"], results["environment"]
     print(
-        f"{results['environment']['cpu']} {flags}: matmul 2048^3 fp32 {peaks['torch.float32'] / 1e9:.0f} GFLOP/s, "
+        f"{cpu['cpu']} {cpu['bf16_flags']}: matmul 2048^3 fp32 {peaks['torch.float32'] / 1e9:.0f} GFLOP/s, "
         f"bf16 {peaks['torch.bfloat16'] / 1e9:.0f} GFLOP/s"
     )
     for section in results["sizes"]:

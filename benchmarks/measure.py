@@ -176,7 +176,17 @@ def environment(device: torch.device) -> dict:
         info["gpu"] = torch.cuda.get_device_name(device)
     else:
         info["cpu"] = cpu_name()
+        info["bf16_flags"] = bf16_flags()
     return info
+
+
+def bf16_flags() -> list[str]:
+    """The CPU's native bfloat16 instructions (`lscpu` flags): AMX tiles and/or AVX512-BF16 dot products."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return []
+    return [flag for flag in ("amx_bf16", "avx512_bf16") if flag in flags]
 
 
 def cpu_name() -> str:

@@ -119,8 +119,6 @@ def main() -> None:
     }
     plot_path = Path(__file__).parent / "results" / "multi30k-time-to-bleu.png"
     plot_curves(curves, {leg: results[leg]["test_bleu"] for leg in LEGS}, plot_path)
-    flags = [flag for flag in ("amx_bf16", "avx512_bf16") if flag in Path("/proc/cpuinfo").read_text().split()]
-    summary["bf16_cpu_flags"] = flags  # the recipe trains in bfloat16 where one of them is there
     write_results(
         {"environment": environment(torch.device("cpu")), "multi30k_time_to_bleu": summary},
         args.output,

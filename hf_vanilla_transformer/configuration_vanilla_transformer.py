@@ -22,6 +22,7 @@ PositionEmbeddingType = Literal["sinusoidal", "learned", "rope", "none"]
 SinusoidalLayout = Literal["interleaved", "concatenated"]
 MoeStacks = Literal["encoder", "decoder", "both"]
 ClassifierPooling = Literal["mean", "first"]
+Initialization = Literal["xavier", "normal"]
 
 GATED_FFN_TYPES = ("glu", "bilinear", "reglu", "geglu", "swiglu")
 
@@ -196,6 +197,10 @@ class VanillaTransformerConfig(PreTrainedConfig):
 
     # Heads and generation.
     classifier_pooling: ClassifierPooling = "mean"
+    # Weight init (the paper fixes none). "xavier": Xavier-uniform linears and N(0, 1/d_model) embeddings (torch's
+    # nn.Transformer, fairseq); "normal": N(0, initializer_range) for both (BERT, GPT-2, Marian, Llama). DeepNorm
+    # keeps its own scaled Xavier init either way; the router is N(0, initializer_range) either way.
+    initialization: Initialization = "xavier"
     initializer_range: float | int = interval(min=0.0, max=1.0)(default=0.02)
     use_cache: bool = True
     is_encoder_decoder: bool = True

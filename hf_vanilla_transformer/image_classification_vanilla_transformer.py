@@ -137,15 +137,20 @@ class VanillaTransformerImagePreTrainedModel(VanillaTransformerPreTrainedModel):
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)
-        if isinstance(module, VanillaTransformerPatchEmbeddings):
-            # Xavier-uniform on the per-patch linear map (fan-in C P^2, fan-out d_model), as every nn.Linear here:
-            # torch's conv fans would count the fan-out P^2 times.
-            weight = module.projection.weight
-            bound = math.sqrt(6.0 / (weight[0].numel() + weight.shape[0]))
-            init.uniform_(weight, -bound, bound)
-            init.zeros_(module.projection.bias)
-            if module.cls_token is not None:
-                init.trunc_normal_(module.cls_token, std=self.config.initializer_range)  # as ViT
+        # The patch projection is initialised on the convolution itself: transformers skips, for remote code, a
+        # module without parameters of its own (the patch embedding under mean pooling has none besides the
+        # convolution's), so an init written on the patch embedding would never run.
+        if isinstance(module, nn.Conv2d):
+            # The per-patch linear map starts as every nn.Linear here; for Xavier its fans are C P^2 and d_model
+            # (torch's conv fans would count the fan-out P^2 times).
+            if self.config.initialization == "normal":
+                init.normal_(module.weight, std=self.config.initializer_range)
+            else:
+                bound = math.sqrt(6.0 / (module.weight[0].numel() + module.weight.shape[0]))
+                init.uniform_(module.weight, -bound, bound)
+            init.zeros_(module.bias)
+        elif isinstance(module, VanillaTransformerPatchEmbeddings) and module.cls_token is not None:
+            init.trunc_normal_(module.cls_token, std=self.config.initializer_range)  # as ViT
 
 
 class VanillaTransformerImageEncoder(VanillaTransformerImagePreTrainedModel, VanillaTransformerEncoder):

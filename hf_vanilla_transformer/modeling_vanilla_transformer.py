@@ -131,19 +131,23 @@ class VanillaTransformerPreTrainedModel(PreTrainedModel):
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
+        normal = self.config.initialization == "normal"
         if isinstance(module, nn.Linear):
             deepnorm_gain = getattr(module, "deepnorm_gain", None)  # set by set_deepnorm_init_gains
-            if deepnorm_gain is None:
-                init.xavier_uniform_(module.weight)  # as torch.nn.Transformer and the Annotated Transformer
-            else:
+            if deepnorm_gain is not None:
                 init.xavier_normal_(module.weight, gain=deepnorm_gain)  # DeepNet (Wang et al. 2022), Figure 2
+            elif normal:
+                init.normal_(module.weight, std=self.config.initializer_range)
+            else:
+                init.xavier_uniform_(module.weight)  # as torch.nn.Transformer and the Annotated Transformer
             if module.bias is not None:
                 init.zeros_(module.bias)
         elif isinstance(module, VanillaTransformerExperts | VanillaTransformerRouter):
             init_moe_weights(module, self.config)
         elif isinstance(module, nn.Embedding):
-            # N(0, 1/d_model): after the sqrt(d_model) scaling of §3.4 token vectors have unit variance (fairseq).
-            init.normal_(module.weight, std=self.config.d_model**-0.5)
+            # "xavier": N(0, 1/d_model), so that after the sqrt(d_model) scaling of §3.4 token vectors have unit
+            # variance (fairseq).
+            init.normal_(module.weight, std=self.config.initializer_range if normal else self.config.d_model**-0.5)
             if module.padding_idx is not None and not getattr(module.weight, "_is_hf_initialized", False):
                 init.zeros_(module.weight[module.padding_idx])
         elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):

@@ -330,8 +330,8 @@ class VanillaTransformerSparseMoeBlock(nn.Module):
 @torch.no_grad()
 def init_moe_weights(module: nn.Module, config: VanillaTransformerConfig) -> None:
     """Router: N(0, initializer_range) as Mixtral (small logits, near-uniform routing at the start). Experts: each
-    (fan_out, fan_in) matrix Xavier-uniform like the dense FFN (Xavier-normal with gain beta under DeepNorm);
-    biases zero."""
+    (fan_out, fan_in) matrix as the dense FFN's linears (`config.initialization`; Xavier-normal with gain beta under
+    DeepNorm); biases zero."""
     if isinstance(module, VanillaTransformerRouter):
         init.normal_(module.weight, std=config.initializer_range)
         return
@@ -340,6 +340,8 @@ def init_moe_weights(module: nn.Module, config: VanillaTransformerConfig) -> Non
     for name, parameter in module.named_parameters(recurse=False):
         if name.endswith("_bias"):
             init.zeros_(parameter)
+        elif gain is None and config.initialization == "normal":
+            init.normal_(parameter, std=config.initializer_range)
         elif gain is None:
             bound = math.sqrt(6.0 / fan_sum)
             init.uniform_(parameter, -bound, bound)

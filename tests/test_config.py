@@ -117,6 +117,7 @@ def valid_fields(draw) -> dict[str, Any]:
         expert_capacity_factor=draw(st.none() | at_least(1e-3, 8.0)),
         output_router_logits=draw(st.booleans()),
         classifier_pooling=draw(st.sampled_from(["mean", "first"])),
+        initialization=draw(st.sampled_from(["xavier", "normal"])),
         initializer_range=draw(at_least(0.0, 1.0)),
         use_cache=draw(st.booleans()),
         is_encoder_decoder=is_encoder_decoder,
@@ -191,6 +192,7 @@ LITERALS = {
     "sinusoidal_layout": ("interleaved", "concatenated"),
     "moe_stacks": ("encoder", "decoder", "both"),
     "classifier_pooling": ("mean", "first"),
+    "initialization": ("xavier", "normal"),
 }
 BOOLS = {  # name: whether None is allowed
     "norm_bias": False,

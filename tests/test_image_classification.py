@@ -11,6 +11,7 @@ Run: python -m pytest -q tests/test_image_classification.py
 """
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -75,6 +76,17 @@ def test_patch_embedding_is_the_per_patch_linear_map():
     flattened = patches.permute(0, 2, 3, 1, 4, 5).reshape(2, 4 * 2, 3 * 2 * 3)  # (batch, patches, C * P_h * P_w)
     matrix = embed.projection.weight.reshape(32, -1)  # E^T
     torch.testing.assert_close(embed(pixels), flattened @ matrix.T + embed.projection.bias)
+
+
+@pytest.mark.parametrize("initialization", ["xavier", "normal"])
+def test_patch_embedding_is_initialised_as_a_linear_map(initialization):
+    """The patch projection is the per-patch linear map, so it starts as every linear does: Xavier over the fans of
+    that map (C P^2 in, d_model out; not torch's convolution fans), or N(0, initializer_range)."""
+    torch.manual_seed(0)
+    config = tiny_image_config(d_model=128, patch_size=4, initialization=initialization, initializer_range=0.05)
+    weight = VanillaTransformerForImageClassification(config).model.patch_embeddings.projection.weight
+    expected = math.sqrt(2 / (3 * 4 * 4 + 128)) if initialization == "xavier" else 0.05
+    assert weight.std().item() == pytest.approx(expected, rel=0.05)
 
 
 @pytest.mark.parametrize("pooling", ["mean", "first"])

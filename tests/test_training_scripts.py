@@ -82,7 +82,7 @@ def test_seq2seq_demo_end_to_end(seq2seq_run):
     }
     assert {"model.safetensors", "tokenizer.json", "README.md", "training_curves.png", *code} <= files
     results = json.loads((seq2seq_run / "all_results.json").read_text())
-    assert {"eval_bleu", "eval_chrf", "eval_loss", "train_loss"} <= results.keys()
+    assert {"eval_bleu", "eval_chrf", "eval_exact_match", "eval_loss", "train_loss"} <= results.keys()
     card = (seq2seq_run / "README.md").read_text()
     assert "eval_bleu" not in card and "bleu" in card and "training_curves.png" in card and "Noam" in card
     state = json.loads((seq2seq_run / "checkpoint-24" / "trainer_state.json").read_text())

@@ -153,6 +153,42 @@ def test_deepnorm_residual_weight_and_init(head: str) -> None:
             assert module.residual_scale == deepnorm_constants(model.config, stack)[0] > 1.0
 
 
+@pytest.mark.parametrize("initialization", ["xavier", "normal"])
+def test_weight_initialization(initialization: str) -> None:
+    """"xavier": Xavier-uniform linears and experts, N(0, 1/d_model) embeddings; "normal": N(0, initializer_range)
+    for all of them. The router is N(0, initializer_range) either way; biases start at zero."""
+    torch.manual_seed(0)
+    config = tiny_config(
+        initialization=initialization,
+        initializer_range=0.05,
+        vocab_size=512,
+        d_model=128,
+        encoder_ffn_dim=192,
+        decoder_ffn_dim=192,
+        num_experts=2,
+        num_experts_per_tok=1,
+        moe_stacks="encoder",
+    )
+    model = VanillaTransformerForConditionalGeneration(config)
+    expected_std = {}
+    for name, parameter in model.named_parameters():
+        if name.endswith("bias") or ".norm." in name:
+            continue
+        if ".mlp.gate." in name or initialization == "normal":  # `mlp.gate`: the MoE router
+            expected_std[name] = 0.05
+        elif name == "model.shared.weight":
+            expected_std[name] = 128**-0.5
+        else:  # an (out, in) matrix, or an expert bank of them
+            fan_in, fan_out = parameter.shape[-1], parameter.shape[-2]
+            expected_std[name] = math.sqrt(2 / (fan_in + fan_out))
+    kinds = {"experts", "mlp.gate", "shared", "q_proj", "fc1"}
+    assert all(any(kind in name for name in expected_std) for kind in kinds)  # every kind of weight is checked
+    for name, std in expected_std.items():
+        assert model.get_parameter(name).std().item() == pytest.approx(std, rel=0.1), name
+    biases = [p for name, p in model.named_parameters() if name.endswith("bias") and ".norm." not in name]
+    assert biases and all(torch.all(bias == 0) for bias in biases)
+
+
 # --- feed-forward networks (Shazeer 2020, "GLU Variants Improve Transformer", eqs. 1-6) ----------------------------
 
 

@@ -177,10 +177,11 @@ def decode(tokenizer, token_ids: np.ndarray) -> list[str]:
     return [text.strip() for text in tokenizer.batch_decode(token_ids, skip_special_tokens=True)]
 
 
-def bleu_and_chrf(tokenizer):
+def translation_metrics(tokenizer):
     """compute_metrics for Seq2SeqTrainer: sacreBLEU (cased, its default; and lowercased, as the multimodal
-    translation shared tasks report Multi30k) and chrF. `evaluate.load("sacrebleu")` fetches its metric script from
-    the Hub and fails offline, so sacrebleu (which that script wraps) is called directly; the scores are the same."""
+    translation shared tasks report Multi30k), chrF, and the percentage of outputs equal to their reference.
+    `evaluate.load("sacrebleu")` fetches its metric script from the Hub and fails offline, so sacrebleu (which that
+    script wraps) is called directly; the scores are the same."""
 
     def compute_metrics(eval_prediction) -> dict[str, float]:
         hypotheses, references = decode(tokenizer, eval_prediction[0]), decode(tokenizer, eval_prediction[1])
@@ -188,6 +189,7 @@ def bleu_and_chrf(tokenizer):
             "bleu": sacrebleu.corpus_bleu(hypotheses, [references]).score,
             "bleu_lowercase": sacrebleu.corpus_bleu(hypotheses, [references], lowercase=True).score,
             "chrf": sacrebleu.corpus_chrf(hypotheses, [references]).score,
+            "exact_match": 100 * float(np.mean([h == r for h, r in zip(hypotheses, references)])),
         }
 
     return compute_metrics
@@ -256,7 +258,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         eval_dataset=splits.get("validation"),
         processing_class=tokenizer,
         data_collator=DataCollatorForSeq2Seq(tokenizer, model=model, pad_to_multiple_of=8),
-        compute_metrics=bleu_and_chrf(tokenizer) if training_args.predict_with_generate else None,
+        compute_metrics=translation_metrics(tokenizer) if training_args.predict_with_generate else None,
     )
     metrics = train_and_evaluate(trainer, lambda: trainer.evaluate(metric_key_prefix="eval"))
     if training_args.do_predict:  # the test set is decoded once, with the weights the validation set chose

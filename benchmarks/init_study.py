@@ -21,6 +21,8 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).parent))
 from measure import environment
 
@@ -65,7 +67,7 @@ def main() -> None:
         scores = list(pool.map(lambda run: train(args.work_dir, run[0], run[2], run[1]), runs))
     by_run = {run: score for run, score in zip(runs, scores)}
 
-    report = {"environment": environment(), "settings": " ".join(DEMO_ARGS), "seeds": args.seeds, "tasks": {}}
+    report = {"environment": environment(torch.device("cpu")), "threads_per_run": 1, "settings": " ".join(DEMO_ARGS), "seeds": args.seeds, "tasks": {}}
     for task in args.tasks:
         rows = {}
         for initialization in args.initializations:

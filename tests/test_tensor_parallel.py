@@ -129,4 +129,7 @@ def test_tensor_parallel_training_saves_whole_weights_that_reload_in_one_process
     state = model.state_dict()
     for name, tensor in expected.items():
         assert saved[name].shape == tensor.shape, name
-        torch.testing.assert_close(state[name], tensor, rtol=1e-4, atol=1e-5, msg=name)
+        # Three Adam steps at rates up to 0.066: Adam's normalised update of a component whose gradient is near zero
+        # carries the sharded reductions' rounding (measured: up to 3e-5 on one or two elements of a tensor); a
+        # wrongly sharded or gathered weight would be off by the order of the learning rate.
+        torch.testing.assert_close(state[name], tensor, rtol=1e-4, atol=1e-4, msg=name)

@@ -67,7 +67,13 @@ def main() -> None:
         scores = list(pool.map(lambda run: train(args.work_dir, run[0], run[2], run[1]), runs))
     by_run = {run: score for run, score in zip(runs, scores)}
 
-    report = {"environment": environment(torch.device("cpu")), "threads_per_run": 1, "settings": " ".join(DEMO_ARGS), "seeds": args.seeds, "tasks": {}}
+    report = {
+        "environment": environment(torch.device("cpu")),
+        "threads_per_run": 1,
+        "settings": " ".join(DEMO_ARGS),
+        "seeds": args.seeds,
+        "tasks": {},
+    }
     for task in args.tasks:
         rows = {}
         for initialization in args.initializations:
@@ -77,7 +83,8 @@ def main() -> None:
                 "per_seed": per_seed,
             }
             print(
-                f"{task} {initialization:<7} exact match " + " ".join(f"{s['eval_exact_match']:5.1f}" for s in per_seed)
+                f"{task} {initialization:<7} exact match "
+                + " ".join(f"{s['eval_exact_match']:5.1f}" for s in per_seed)
                 + f"  median {rows[initialization]['median_eval_exact_match']:5.1f}"
                 + f"  BLEU median {rows[initialization]['median_eval_bleu']:5.2f}"
                 + f"  loss median {rows[initialization]['median_eval_loss']:.3f}"

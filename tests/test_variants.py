@@ -155,7 +155,7 @@ def test_deepnorm_residual_weight_and_init(head: str) -> None:
 
 @pytest.mark.parametrize("initialization", ["xavier", "normal"])
 def test_weight_initialization(initialization: str) -> None:
-    """"xavier": Xavier-uniform linears and experts, N(0, 1/d_model) embeddings; "normal": N(0, initializer_range)
+    """`xavier`: Xavier-uniform linears and experts, N(0, 1/d_model) embeddings; `normal`: N(0, initializer_range)
     for all of them. The router is N(0, initializer_range) either way; biases start at zero."""
     torch.manual_seed(0)
     config = tiny_config(

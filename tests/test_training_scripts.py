@@ -73,6 +73,21 @@ def test_noam_schedule_follows_its_formula():
     assert max(rates) == pytest.approx(rates[warmup - 1])  # peak at the end of the warm-up
 
 
+def test_translation_metrics_score_decoded_text(seq2seq_run):
+    """BLEU/chrF/exact match compare the decoded strings; -100 label padding decodes as padding."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(seq2seq_run)
+    references = ["sie hat zwei Bücher", "ich bin drei Jahre alt", "hier wohnen vier Menschen"]
+    hypotheses = [references[0], references[1], "hier wohnen fünf Menschen"]
+    predictions = tokenizer(hypotheses, padding=True, return_tensors="np")["input_ids"]
+    labels = tokenizer(references, padding=True, return_tensors="np")["input_ids"]
+    labels[labels == tokenizer.pad_token_id] = -100
+    metrics = train_seq2seq.translation_metrics(tokenizer)((predictions, labels))
+    assert metrics["exact_match"] == pytest.approx(200 / 3)
+    assert 0 < metrics["bleu"] < 100 and 0 < metrics["chrf"] < 100
+
+
 def test_seq2seq_demo_end_to_end(seq2seq_run):
     files = {path.name for path in seq2seq_run.iterdir()}
     code = {

@@ -24,6 +24,10 @@ import average_checkpoints  # noqa: E402
 import train_causal_lm  # noqa: E402
 import train_seq2seq  # noqa: E402
 from run_common import noam_scheduler, parse_config_overrides  # noqa: E402
+from transformers import MarianConfig, MarianMTModel  # noqa: E402
+from transformers.trainer_pt_utils import LabelSmoother  # noqa: E402
+
+from hf_vanilla_transformer import VanillaTransformerConfig, VanillaTransformerForConditionalGeneration  # noqa: E402
 
 TINY_MODEL = [
     "--preset",
@@ -71,6 +75,53 @@ def test_noam_schedule_follows_its_formula():
     expected = [closed_form_noam(step, d_model, warmup, scale) for step in range(1, 41)]
     assert rates == pytest.approx(expected, rel=1e-12)
     assert max(rates) == pytest.approx(rates[warmup - 1])  # peak at the end of the warm-up
+
+
+def test_label_smoothing_runs_in_our_model_with_the_trainers_loss(tmp_path):
+    """With --label_smoothing_factor our model smooths its own loss over the positions its labels score (it keeps
+    its labels, so padding is never projected onto the vocabulary): the loss and every gradient equal transformers'
+    LabelSmoother over the full logits. HF Marian, whose loss ignores `loss_function`, keeps the Trainer's smoothing."""
+    torch.manual_seed(0)
+    config = VanillaTransformerConfig(
+        vocab_size=40, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, dropout=0.0,
+    )  # fmt: skip
+    model = VanillaTransformerForConditionalGeneration(config).train()
+    input_ids = torch.randint(3, 40, (3, 7))
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1, 4:] = attention_mask[2, 2:] = 0
+    labels = torch.randint(3, 40, (3, 6))
+    labels[0, 3:] = labels[2, 5:] = -100  # the collator's label padding
+    batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+    counted = (labels != -100).sum()
+
+    args = train_seq2seq.PaperSeq2SeqTrainingArguments(
+        output_dir=str(tmp_path / "ours"), label_smoothing_factor=0.1, use_cpu=True, report_to=[]
+    )
+    trainer = train_seq2seq.PaperSeq2SeqTrainer(model=model, args=args)
+    assert trainer.label_smoother is None
+    loss = trainer.compute_loss(model, dict(batch), num_items_in_batch=counted)
+    loss.backward()
+    gradients = {name: parameter.grad.clone() for name, parameter in model.named_parameters()}
+    model.zero_grad()
+
+    decoder_input_ids = model.prepare_decoder_input_ids_from_labels(labels)
+    outputs = model(input_ids, attention_mask=attention_mask, decoder_input_ids=decoder_input_ids)
+    expected = LabelSmoother(epsilon=0.1)(outputs, labels, num_items_in_batch=counted)
+    expected.backward()
+    torch.testing.assert_close(loss, expected)
+    for name, parameter in model.named_parameters():
+        torch.testing.assert_close(gradients[name], parameter.grad, msg=name)
+
+    marian_config = MarianConfig(
+        vocab_size=40, decoder_vocab_size=40, d_model=16, encoder_layers=1, decoder_layers=1, pad_token_id=0,
+        eos_token_id=2, decoder_start_token_id=0,
+    )  # fmt: skip
+    marian = MarianMTModel(marian_config)
+    args = train_seq2seq.PaperSeq2SeqTrainingArguments(
+        output_dir=str(tmp_path / "marian"), label_smoothing_factor=0.1, use_cpu=True, report_to=[]
+    )
+    assert train_seq2seq.PaperSeq2SeqTrainer(model=marian, args=args).label_smoother is not None
 
 
 def test_translation_metrics_score_decoded_text(seq2seq_run):

@@ -28,7 +28,7 @@ from torch.optim.lr_scheduler import LambdaLR  # noqa: E402
 from transformers import HfArgumentParser, PreTrainedTokenizerBase, Trainer, set_seed  # noqa: E402
 from transformers.distributed import DistributedConfig  # noqa: E402
 
-from hf_vanilla_transformer import VanillaTransformerConfig  # noqa: E402
+from hf_vanilla_transformer import VanillaTransformerConfig, VanillaTransformerPreTrainedModel  # noqa: E402
 from hf_vanilla_transformer.configuration_vanilla_transformer import PRESETS  # noqa: E402
 from hf_vanilla_transformer.model_card_vanilla_transformer import write_model_card  # noqa: E402
 
@@ -153,6 +153,39 @@ class NoamTrainerMixin(Trainer):
             self.lr_scheduler = noam_scheduler(optimizer, self.model.config.d_model, warmup)
             self._created_lr_scheduler = True
         return self.lr_scheduler
+
+
+def label_smoothed_loss(epsilon: float) -> Callable[..., torch.Tensor]:
+    """transformers' token loss (`ForMaskedLMLoss`: labels aligned with the logits, -100 ignored, summed and divided
+    by `num_items_in_batch` when given) with label smoothing (§5.4): (1 - eps) NLL + eps/V sum_v -log p_v, the
+    Trainer's `LabelSmoother` as one cross-entropy, in float32."""
+
+    def loss(logits, labels, vocab_size: int, num_items_in_batch=None, ignore_index: int = -100, **kwargs):
+        reduction = "mean" if num_items_in_batch is None else "sum"
+        total = torch.nn.functional.cross_entropy(
+            logits.float().view(-1, vocab_size),
+            labels.view(-1).to(logits.device),
+            ignore_index=ignore_index,
+            reduction=reduction,
+            label_smoothing=epsilon,
+        )
+        return total if num_items_in_batch is None else total / num_items_in_batch
+
+    return loss
+
+
+class ModelLabelSmoothingMixin(Trainer):
+    """Label smoothing computed by the model, for our models. transformers' Trainer smooths by taking the labels
+    away from the model and scoring the logits of every position afterwards, padding included, in the logits' dtype
+    (bfloat16 under --bf16). Given its labels, our model projects only the positions they score onto the vocabulary
+    (the others are padding: about a third of a Multi30k batch) and its loss runs in float32; the loss is the same.
+    Other models (HF Marian computes its loss without `loss_function`) keep the Trainer's smoothing."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.label_smoother is not None and isinstance(self.model, VanillaTransformerPreTrainedModel):
+            self.model.loss_function = label_smoothed_loss(self.label_smoother.epsilon)
+            self.label_smoother = None
 
 
 def configure_processes() -> None:

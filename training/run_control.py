@@ -16,6 +16,7 @@ import json
 import logging
 import operator
 import os
+import re
 import shutil
 import time
 import uuid
@@ -280,11 +281,15 @@ class RunTrainerMixin(Trainer):
 
 
 def load_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
-    """Load saved weights; those missing are the tied ones (save_pretrained stores a tied weight once)."""
+    """Load saved weights. Those missing may be the tied ones (save_pretrained stores a tied weight once) and those
+    the model's class says a checkpoint may lack (`_keys_to_ignore_on_load_missing`, regular expressions: HF Marian's
+    fixed sinusoid tables, which it never saves); the model keeps its own values of those."""
     missing, unexpected = model.load_state_dict(weights, strict=False)
-    untied_missing = set(missing) - set(getattr(model, "all_tied_weights_keys", {}))
-    if untied_missing or unexpected:
-        raise ValueError(f"Weights do not fit the model: missing {sorted(untied_missing)}, unexpected {unexpected}.")
+    tied = set(getattr(model, "all_tied_weights_keys", {}))
+    may_lack = getattr(model, "_keys_to_ignore_on_load_missing", None) or []
+    lacking = [name for name in missing if name not in tied and not any(re.search(key, name) for key in may_lack)]
+    if lacking or unexpected:
+        raise ValueError(f"Weights do not fit the model: missing {sorted(lacking)}, unexpected {unexpected}.")
 
 
 def keep_last_or_averaged_weights(trainer: Trainer, evaluate: Callable[[], dict[str, float]]) -> dict[str, float]:

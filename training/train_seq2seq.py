@@ -32,6 +32,7 @@ from demo_data import number_translation_dataset
 from run_common import (
     FsdpTrainerMixin,
     ModelArguments,
+    ModelLabelSmoothingMixin,
     NoamArguments,
     NoamTrainerMixin,
     load_local_files,
@@ -105,7 +106,9 @@ class PaperSeq2SeqTrainingArguments(RunArguments, NoamArguments, Seq2SeqTraining
     )
 
 
-class PaperSeq2SeqTrainer(RunTrainerMixin, NoamTrainerMixin, FsdpTrainerMixin, Seq2SeqTrainer):
+class PaperSeq2SeqTrainer(
+    RunTrainerMixin, NoamTrainerMixin, ModelLabelSmoothingMixin, FsdpTrainerMixin, Seq2SeqTrainer
+):
     """Seq2SeqTrainer with the Noam schedule and the paper's source-relative output length limit."""
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None, **gen_kwargs):

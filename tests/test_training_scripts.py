@@ -27,7 +27,11 @@ from run_common import noam_scheduler, parse_config_overrides  # noqa: E402
 from transformers import MarianConfig, MarianMTModel  # noqa: E402
 from transformers.trainer_pt_utils import LabelSmoother  # noqa: E402
 
-from hf_vanilla_transformer import VanillaTransformerConfig, VanillaTransformerForConditionalGeneration  # noqa: E402
+from hf_vanilla_transformer import (  # noqa: E402
+    VanillaTransformerConfig,
+    VanillaTransformerForCausalLM,
+    VanillaTransformerForConditionalGeneration,
+)
 
 TINY_MODEL = [
     "--preset",
@@ -122,6 +126,32 @@ def test_label_smoothing_runs_in_our_model_with_the_trainers_loss(tmp_path):
         output_dir=str(tmp_path / "marian"), label_smoothing_factor=0.1, use_cpu=True, report_to=[]
     )
     assert train_seq2seq.PaperSeq2SeqTrainer(model=marian, args=args).label_smoother is not None
+
+
+def test_label_smoothing_of_the_causal_lm_scores_the_next_token(tmp_path):
+    """The causal-LM script's label smoothing scores each position against the next token. (transformers' Trainer
+    shifts the labels only for the causal LMs it knows by name, so on this remote-code model its `LabelSmoother`
+    would score every position against its own input token.)"""
+    torch.manual_seed(0)
+    config = VanillaTransformerConfig(
+        vocab_size=40, d_model=16, is_encoder_decoder=False, is_decoder=True, decoder_layers=1,
+        decoder_attention_heads=2, decoder_ffn_dim=32, dropout=0.0,
+    )  # fmt: skip
+    model = VanillaTransformerForCausalLM(config).train()
+    input_ids = torch.randint(3, 40, (2, 6))
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1, 4:] = 0
+    labels = input_ids.masked_fill(attention_mask == 0, -100)
+    args = train_causal_lm.PaperTrainingArguments(
+        output_dir=str(tmp_path), label_smoothing_factor=0.1, use_cpu=True, report_to=[]
+    )
+    trainer = train_causal_lm.PaperTrainer(model=model, args=args)
+    batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+    counted = (labels[:, 1:] != -100).sum()
+    loss = trainer.compute_loss(model, dict(batch), num_items_in_batch=counted)
+    outputs = model(input_ids, attention_mask=attention_mask)
+    expected = LabelSmoother(epsilon=0.1)(outputs, labels, shift_labels=True, num_items_in_batch=counted)
+    torch.testing.assert_close(loss, expected)
 
 
 def test_translation_metrics_score_decoded_text(seq2seq_run):

@@ -177,9 +177,10 @@ def label_smoothed_loss(epsilon: float) -> Callable[..., torch.Tensor]:
 class ModelLabelSmoothingMixin(Trainer):
     """Label smoothing computed by the model, for our models. transformers' Trainer smooths by taking the labels
     away from the model and scoring the logits of every position afterwards, padding included, in the logits' dtype
-    (bfloat16 under --bf16). Given its labels, our model projects only the positions they score onto the vocabulary
-    (the others are padding: about a third of a Multi30k batch) and its loss runs in float32; the loss is the same.
-    Other models (HF Marian computes its loss without `loss_function`) keep the Trainer's smoothing."""
+    (bfloat16 under --bf16), and shifting them for the causal LMs it knows by name only. Given its labels, our model
+    projects only the positions they score onto the vocabulary (about half of a Multi30k label batch is padding), its
+    loss runs in float32 and its causal LM scores the next token; the loss is the same. Other models (HF Marian
+    computes its loss without `loss_function`) keep the Trainer's smoothing."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

@@ -104,7 +104,9 @@ def test_label_smoothing_runs_in_our_model_with_the_trainers_loss(tmp_path):
     )
     trainer = train_seq2seq.PaperSeq2SeqTrainer(model=model, args=args)
     assert trainer.label_smoother is None
-    loss = trainer.compute_loss(model, dict(batch), num_items_in_batch=counted)
+    loss, outputs = trainer.compute_loss(model, dict(batch), return_outputs=True, num_items_in_batch=counted)
+    assert outputs.logits[labels == -100].eq(0).all()  # never projected onto the vocabulary
+    assert outputs.logits[labels != -100].abs().sum(-1).gt(0).all()
     loss.backward()
     gradients = {name: parameter.grad.clone() for name, parameter in model.named_parameters()}
     model.zero_grad()

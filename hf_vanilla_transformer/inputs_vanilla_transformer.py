@@ -186,6 +186,12 @@ def check_token_labels(
     check_labels(labels, expected, vocab_size, f"labels (aligned with {aligned_name})")
 
 
+def check_skip_logits(skip_logits: bool, labels: torch.Tensor | None) -> None:
+    """`skip_logits=True` leaves the loss as the only output, so it needs labels."""
+    if skip_logits and labels is None:
+        raise ValueError("skip_logits=True returns the loss without logits, so it needs labels: pass labels too.")
+
+
 def check_stack_inputs(
     input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None, d_model: int, prefix: str = ""
 ) -> None:

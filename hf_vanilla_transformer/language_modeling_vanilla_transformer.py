@@ -25,7 +25,7 @@ from transformers.utils import TransformersKwargs, can_return_tuple
 
 from .configuration_vanilla_transformer import VanillaTransformerConfig
 from .generation_vanilla_transformer import VanillaTransformerGenerationMixin
-from .inputs_vanilla_transformer import IGNORE_INDEX, check_can_shift_labels, check_token_labels
+from .inputs_vanilla_transformer import IGNORE_INDEX, check_can_shift_labels, check_skip_logits, check_token_labels
 from .modeling_vanilla_transformer import (
     VanillaTransformerDecoder,
     VanillaTransformerEncoder,
@@ -104,8 +104,12 @@ class LanguageModelingHead(VanillaTransformerPreTrainedModel):
         return self.loss_function(logits, targets, vocab_size=self.config.vocab_size, **kwargs)
 
 
-def padded(logits: torch.Tensor, scored: PackedTokens | None) -> torch.Tensor:
-    """The logits in the (batch, length, vocab) layout, 0 at the positions that were not scored."""
+def returned_logits(logits: torch.Tensor, scored: PackedTokens | None, skip_logits: bool) -> torch.Tensor | None:
+    """The logits in the (batch, length, vocab) layout, 0 at the positions that were not scored; None with
+    `skip_logits`, for a training step that reads the loss only (scattering and, under autocast, Accelerate's
+    float32 copy of a vocabulary-wide tensor nobody reads cost a tenth of a Multi30k step)."""
+    if skip_logits:
+        return None
     return logits if scored is None else scored.unpack(logits)
 
 
@@ -156,18 +160,22 @@ class VanillaTransformerForConditionalGeneration(LanguageModelingHead, VanillaTr
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         output_router_logits: bool | None = None,
+        skip_logits: bool = False,
         **kwargs: Unpack[TransformersKwargs],
     ) -> Seq2SeqLMOutput:  # Seq2SeqMoEOutput with experts
         r"""
         labels (`torch.LongTensor` of shape `(batch_size, target_length)`, *optional*):
             Target token ids, -100 where ignored. Without `decoder_input_ids` the decoder input is `labels` shifted
             right behind `decoder_start_token_id` (teacher forcing).
+        skip_logits (`bool`, *optional*, defaults to `False`):
+            Return the loss without logits (`logits=None`): a training step that reads only the loss. Needs labels.
 
         With experts (`num_experts > 0`) the output is a `Seq2SeqMoEOutput` with per-stack balancing and z-losses;
         their weighted sum is already in the gradient of any loss built from `logits` (see `attach_router_loss`).
         """
         decoder_inputs = first_given(decoder_input_ids, decoder_inputs_embeds)
         check_token_labels(labels, self.config.vocab_size, decoder_inputs, "decoder_input_ids")
+        check_skip_logits(skip_logits, labels)
         if labels is not None and decoder_inputs is None:
             decoder_input_ids = self.prepare_decoder_input_ids_from_labels(labels)
         router = RouterRequest.of(self.config, labels, output_router_logits)
@@ -200,7 +208,7 @@ class VanillaTransformerForConditionalGeneration(LanguageModelingHead, VanillaTr
         )
         if self.config.num_experts == 0:
             loss = self.token_loss(logits, labels, scored, **kwargs)
-            return Seq2SeqLMOutput(loss=loss, logits=padded(logits, scored), **model_outputs)
+            return Seq2SeqLMOutput(loss=loss, logits=returned_logits(logits, scored, skip_logits), **model_outputs)
 
         # Mixture of Experts: the router losses of both stacks, counted over the positions each routed, join the
         # gradient through the logits, so that a loss built from them alone (the Trainer's label smoothing) trains
@@ -218,7 +226,7 @@ class VanillaTransformerForConditionalGeneration(LanguageModelingHead, VanillaTr
         aux, z = (router_losses.aux, router_losses.z) if router.report else ({}, {})
         return Seq2SeqMoEOutput(
             loss=with_router_value(loss, router_losses),
-            logits=padded(logits, scored),
+            logits=returned_logits(logits, scored, skip_logits),
             encoder_router_logits=router.returned(outputs.encoder_router_logits, source_tokens),
             decoder_router_logits=router.returned(outputs.decoder_router_logits, decoder_routed),
             encoder_aux_loss=aux.get("encoder"),
@@ -264,6 +272,7 @@ class VanillaTransformerForCausalLM(LanguageModelingHead, VanillaTransformerGene
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         output_router_logits: bool | None = None,
+        skip_logits: bool = False,
         **kwargs: Unpack[TransformersKwargs],
     ) -> CausalLMOutputWithPast:  # MoeCausalLMOutput with experts
         r"""
@@ -277,6 +286,7 @@ class VanillaTransformerForCausalLM(LanguageModelingHead, VanillaTransformerGene
         """
         check_token_labels(labels, self.config.vocab_size, first_given(input_ids, inputs_embeds), "input_ids")
         targets = self.next_token_targets(labels, kwargs.get("shift_labels"))
+        check_skip_logits(skip_logits, targets)
         router = RouterRequest.of(self.config, targets, output_router_logits)
         token_mask = positions_to_compute(targets, attention_mask)
         outputs = self.model(
@@ -298,7 +308,9 @@ class VanillaTransformerForCausalLM(LanguageModelingHead, VanillaTransformerGene
         )
         if self.config.num_experts == 0:
             loss = self.token_loss(logits, targets, scored, **kwargs)
-            return CausalLMOutputWithPast(loss=loss, logits=padded(logits, scored), **model_outputs)
+            return CausalLMOutputWithPast(
+                loss=loss, logits=returned_logits(logits, scored, skip_logits), **model_outputs
+            )
 
         # Mixture of Experts: see VanillaTransformerForConditionalGeneration.
         tokens = current_tokens(attention_mask, outputs.last_hidden_state.shape[1])
@@ -308,7 +320,7 @@ class VanillaTransformerForCausalLM(LanguageModelingHead, VanillaTransformerGene
         loss = self.token_loss(logits, targets, scored, **kwargs)
         return MoeCausalLMOutput(
             loss=with_router_value(loss, router_losses),
-            logits=padded(logits, scored),
+            logits=returned_logits(logits, scored, skip_logits),
             router_logits=router.returned(outputs.router_logits, routed),
             aux_loss=router_losses.aux["decoder"] if router.report else None,
             z_loss=router_losses.z["decoder"] if router.report else None,
@@ -346,13 +358,17 @@ class VanillaTransformerForMaskedLM(LanguageModelingHead):
         labels: torch.LongTensor | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         output_router_logits: bool | None = None,
+        skip_logits: bool = False,
         **kwargs: Unpack[TransformersKwargs],
     ) -> MaskedLMOutput:
         r"""
         labels (`torch.LongTensor` of shape `(batch_size, length)`, *optional*):
             The original token at each masked position, -100 elsewhere.
+        skip_logits (`bool`, *optional*, defaults to `False`):
+            Return the loss without logits (`logits=None`): a training step that reads only the loss. Needs labels.
         """
         check_token_labels(labels, self.config.vocab_size, first_given(input_ids, inputs_embeds), "input_ids")
+        check_skip_logits(skip_logits, labels)
         router = RouterRequest.of(self.config, labels, output_router_logits)
         # A masked position reads the tokens on both sides: the encoder computes every real token.
         outputs = self.model(
@@ -373,7 +389,10 @@ class VanillaTransformerForMaskedLM(LanguageModelingHead):
         if self.config.num_experts:
             loss = with_router_value(loss, router_losses)
         return MaskedLMOutput(
-            loss=loss, logits=padded(logits, scored), hidden_states=outputs.hidden_states, attentions=outputs.attentions
+            loss=loss,
+            logits=returned_logits(logits, scored, skip_logits),
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
         )
 
 

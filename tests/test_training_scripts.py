@@ -31,6 +31,7 @@ from hf_vanilla_transformer import (  # noqa: E402
     VanillaTransformerConfig,
     VanillaTransformerForCausalLM,
     VanillaTransformerForConditionalGeneration,
+    VanillaTransformerForSequenceClassification,
 )
 
 TINY_MODEL = [
@@ -128,6 +129,37 @@ def test_label_smoothing_runs_in_our_model_with_the_trainers_loss(tmp_path):
         output_dir=str(tmp_path / "marian"), label_smoothing_factor=0.1, use_cpu=True, report_to=[]
     )
     assert train_seq2seq.PaperSeq2SeqTrainer(model=marian, args=args).label_smoother is not None
+
+
+def test_a_training_step_asks_our_language_models_for_the_loss_only(tmp_path):
+    """The training step reads only the loss: the scripts' trainers pass `skip_logits` to our language models (no
+    vocabulary-wide logits scattered back to the padded layout and copied to float32), with the loss unchanged;
+    evaluation (`return_outputs=True`) still gets the logits; heads without the flag get nothing new."""
+    torch.manual_seed(0)
+    config = VanillaTransformerConfig(
+        vocab_size=40, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, dropout=0.0,
+    )  # fmt: skip
+    model = VanillaTransformerForConditionalGeneration(config).train()
+    seen = []
+    model.register_forward_hook(lambda module, args, kwargs, output: seen.append((kwargs, output)), with_kwargs=True)
+    batch = {"input_ids": torch.randint(3, 40, (2, 5)), "labels": torch.randint(3, 40, (2, 4))}
+    args = train_seq2seq.PaperSeq2SeqTrainingArguments(output_dir=str(tmp_path / "s"), use_cpu=True, report_to=[])
+    trainer = train_seq2seq.PaperSeq2SeqTrainer(model=model, args=args)
+    loss = trainer.compute_loss(model, dict(batch))
+    assert seen[-1][0]["skip_logits"] is True and seen[-1][1].logits is None
+    evaluated, outputs = trainer.compute_loss(model, dict(batch), return_outputs=True)
+    assert "skip_logits" not in seen[-1][0] and outputs.logits.shape == (2, 4, 40)
+    torch.testing.assert_close(loss, evaluated, rtol=0, atol=0)
+
+    classifier = VanillaTransformerForSequenceClassification(config.for_single_stack("encoder"))
+    args = train_causal_lm.PaperTrainingArguments(output_dir=str(tmp_path / "c"), use_cpu=True, report_to=[])
+    classifier.register_forward_hook(
+        lambda module, args, kwargs, output: seen.append((kwargs, output)), with_kwargs=True
+    )
+    trainer = train_causal_lm.PaperTrainer(model=classifier, args=args)
+    trainer.compute_loss(classifier, {"input_ids": batch["input_ids"], "labels": torch.tensor([0, 1])})
+    assert "skip_logits" not in seen[-1][0] and seen[-1][1].logits.shape == (2, 2)
 
 
 def test_label_smoothing_of_the_causal_lm_scores_the_next_token(tmp_path):

@@ -2,6 +2,7 @@
 files, training with perplexity, and the output directory's model card with its training plot."""
 
 import dataclasses
+import inspect
 import json
 import logging
 import math
@@ -174,19 +175,27 @@ def label_smoothed_loss(epsilon: float) -> Callable[..., torch.Tensor]:
     return loss
 
 
-class ModelLabelSmoothingMixin(Trainer):
-    """Label smoothing computed by the model, for our models. transformers' Trainer smooths by taking the labels
-    away from the model and scoring the logits of every position afterwards, padding included, in the logits' dtype
-    (bfloat16 under --bf16), and shifting them for the causal LMs it knows by name only. Given its labels, our model
-    projects only the positions they score onto the vocabulary (about half of a Multi30k label batch is padding), its
-    loss runs in float32 and its causal LM scores the next token; the loss is the same. Other models (HF Marian
-    computes its loss without `loss_function`) keep the Trainer's smoothing."""
+class ModelLossMixin(Trainer):
+    """The training loss computed inside our models, label smoothing included. transformers' Trainer smooths by
+    taking the labels away from the model and scoring the logits of every position afterwards, padding included, in
+    the logits' dtype (bfloat16 under --bf16), and shifting them for the causal LMs it knows by name only. Given its
+    labels, our model projects only the positions they score onto the vocabulary (about half of a Multi30k label batch
+    is padding), its loss runs in float32 and its causal LM scores the next token; the loss is the same. A training
+    step reads only the loss, so it asks our language models for no logits (`skip_logits`, the flag the Trainer gives
+    Liger-kernel models). Other models (HF Marian computes its loss without `loss_function`) keep the Trainer's way."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        if self.label_smoother is not None and isinstance(self.model, VanillaTransformerPreTrainedModel):
+        ours = isinstance(self.model, VanillaTransformerPreTrainedModel)
+        if ours and self.label_smoother is not None:
             self.model.loss_function = label_smoothed_loss(self.label_smoother.epsilon)
             self.label_smoother = None
+        self.loss_without_logits = ours and "skip_logits" in inspect.signature(self.model.forward).parameters
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if self.loss_without_logits and not return_outputs and self.compute_loss_func is None:
+            inputs = {**inputs, "skip_logits": True}
+        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
 
 def configure_processes() -> None:

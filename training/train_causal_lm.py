@@ -20,7 +20,7 @@ from demo_data import arithmetic_text_dataset
 from run_common import (
     FsdpTrainerMixin,
     ModelArguments,
-    ModelLabelSmoothingMixin,
+    ModelLossMixin,
     NoamArguments,
     NoamTrainerMixin,
     load_local_files,
@@ -69,7 +69,7 @@ class PaperTrainingArguments(RunArguments, NoamArguments, TrainingArguments):
     """TrainingArguments with the paper's optimiser and schedule as defaults, and the run's folder and time options."""
 
 
-class PaperTrainer(RunTrainerMixin, NoamTrainerMixin, ModelLabelSmoothingMixin, FsdpTrainerMixin, Trainer):
+class PaperTrainer(RunTrainerMixin, NoamTrainerMixin, ModelLossMixin, FsdpTrainerMixin, Trainer):
     """Trainer with the Noam schedule and the run's tracker."""
 
 

@@ -32,7 +32,7 @@ from demo_data import number_translation_dataset
 from run_common import (
     FsdpTrainerMixin,
     ModelArguments,
-    ModelLabelSmoothingMixin,
+    ModelLossMixin,
     NoamArguments,
     NoamTrainerMixin,
     load_local_files,
@@ -106,9 +106,7 @@ class PaperSeq2SeqTrainingArguments(RunArguments, NoamArguments, Seq2SeqTraining
     )
 
 
-class PaperSeq2SeqTrainer(
-    RunTrainerMixin, NoamTrainerMixin, ModelLabelSmoothingMixin, FsdpTrainerMixin, Seq2SeqTrainer
-):
+class PaperSeq2SeqTrainer(RunTrainerMixin, NoamTrainerMixin, ModelLossMixin, FsdpTrainerMixin, Seq2SeqTrainer):
     """Seq2SeqTrainer with the Noam schedule and the paper's source-relative output length limit."""
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None, **gen_kwargs):

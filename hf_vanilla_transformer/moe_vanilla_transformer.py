@@ -1,14 +1,14 @@
 """Mixture of Experts: the FFN of §3.3 replaced by E expert FFNs, each token sent to its top-k (Shazeer et al. 2017).
 
-router      p = softmax(x W_r)  in fp32; the top-k experts of each token, weights optionally renormalised
-block       y = sum_{e in top-k} p_e FFN_e(x)  (+ shared experts applied to every token, DeepSeekMoE)
-experts     the E FFNs as 3D tensors in Mixtral's layout, run by the function `config._experts_implementation`
-            names (`@use_experts_implementation`): transformers' "eager", "batched_mm", "grouped_mm", ..., or
-            ours, "sorted_grouped_mm" (the default: the same grouped matmuls, fewer passes over the rows)
-capacity    with factor c, expert e serves at most ceil(c * tokens * k / E) tokens (GShard, Switch Transformer);
-            the rest skip it, so a token with no expert left keeps only its residual
-losses      balancing  E * sum_e f_e P_e per layer  (Switch Transformer eq. 4-6, mask-aware, Mixtral's function)
-            z-loss     mean_tokens (logsumexp x)^2   (ST-MoE eq. 5)
+    router      p = softmax(x W_r)  in fp32; the top-k experts of each token, weights optionally renormalised
+    block       y = sum_{e in top-k} p_e FFN_e(x)  (+ shared experts applied to every token, DeepSeekMoE)
+    experts     the E FFNs as 3D tensors in Mixtral's layout, run by the function `config._experts_implementation`
+                names (`@use_experts_implementation`): transformers' "eager", "batched_mm", "grouped_mm", ..., or
+                ours, "sorted_grouped_mm" (the default: the same grouped matmuls, fewer passes over the rows)
+    capacity    with factor c, expert e serves at most ceil(c * tokens * k / E) tokens (GShard, Switch Transformer);
+                the rest skip it, so a token with no expert left keeps only its residual
+    losses      balancing  E * sum_e f_e P_e per layer  (Switch Transformer eq. 4-6, mask-aware, Mixtral's function)
+                z-loss     mean_tokens (logsumexp x)^2   (ST-MoE eq. 5)
 """
 
 import math
@@ -167,7 +167,7 @@ SORTED_GROUPED_MM = "sorted_grouped_mm"
 def sorted_grouped_mm_experts_forward(
     experts: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
-    """ "sorted_grouped_mm": transformers' `grouped_mm_experts_forward` (the (token, expert) assignments sorted by
+    """"sorted_grouped_mm": transformers' `grouped_mm_experts_forward` (the (token, expert) assignments sorted by
     expert, one grouped matmul per projection through the same `_grouped_linear` kernel dispatch) with fewer passes
     over the (tokens * k, H) rows around the matmuls, and a looped kernel for the shapes torch's grouped_mm refuses.
 

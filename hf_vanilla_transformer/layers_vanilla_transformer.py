@@ -32,9 +32,9 @@ SHORT_SEQUENCE_ON_CPU = 128
 def attention_backend(attn_implementation: str, query: torch.Tensor, key: torch.Tensor):
     """The SDPA kernel for this call. Training in bfloat16 or float16 on a CPU, PyTorch's flash kernel (SDPA's
     choice there) is slower than its math kernel at short sequences: forward and backward of (B, 8, L, 64), B*L = 4096,
-    take 4.5x as long at L = 16, 1.8x at 64 and 1.4x at 128, 0.7x at 256 (torch 2.13, AMD EPYC, 2 threads;
-    benchmarks/cpu_attention_kernels.py); in float32, or without gradients, the flash kernel is as fast or faster. So
-    short sequences take the math kernel there."""
+    take 2.7-2.9x as long at L = 16, 1.5x at 64, 1.3-1.5x at 128 and 0.6x at 256 (torch 2.13, AMD EPYC, 2 threads;
+    benchmarks/cpu_attention_kernels.py). In float32 the two are within 30 % of each other up to 128 tokens, and
+    without gradients the flash kernel is as fast. So short sequences take the math kernel in reduced precision."""
     if (
         attn_implementation == "sdpa"
         and query.device.type == "cpu"

@@ -123,10 +123,9 @@ class VanillaTransformerAttention(nn.Module):
                 if self.is_cross_attention:
                     past_key_values.is_updated[self.layer_idx] = True
 
-        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, eager_attention_forward
-        )
-        with attention_backend(self.config._attn_implementation, query, key):
+        implementation = self.config._attn_implementation
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
+        with attention_backend(implementation, query, key):
             attn_output, attn_weights = attention_interface(
                 self,
                 query,

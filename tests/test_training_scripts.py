@@ -48,6 +48,18 @@ SEQ2SEQ_DEMO = [*TINY_MODEL, *QUIET, "--demo_train_size", "400", "--demo_validat
 SEQ2SEQ_DEMO += ["--max_new_tokens_over_source", "4", "--per_device_eval_batch_size", "16"]  # short decoding
 
 
+def tiny_translation_config() -> VanillaTransformerConfig:
+    return VanillaTransformerConfig(
+        vocab_size=40, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, dropout=0.0,
+    )  # fmt: skip
+
+
+def record_forward_calls(model: torch.nn.Module, seen: list) -> None:
+    """Append (keyword arguments, output) of each call of `model` to `seen`."""
+    model.register_forward_hook(lambda module, args, kwargs, output: seen.append((kwargs, output)), with_kwargs=True)
+
+
 def weights(directory: Path) -> dict[str, torch.Tensor]:
     return load_file(str(directory / "model.safetensors"))
 
@@ -87,10 +99,7 @@ def test_label_smoothing_runs_in_our_model_with_the_trainers_loss(tmp_path):
     its labels, so padding is never projected onto the vocabulary): the loss and every gradient equal transformers'
     LabelSmoother over the full logits. HF Marian, whose loss ignores `loss_function`, keeps the Trainer's smoothing."""
     torch.manual_seed(0)
-    config = VanillaTransformerConfig(
-        vocab_size=40, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
-        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, dropout=0.0,
-    )  # fmt: skip
+    config = tiny_translation_config()
     model = VanillaTransformerForConditionalGeneration(config).train()
     input_ids = torch.randint(3, 40, (3, 7))
     attention_mask = torch.ones_like(input_ids)
@@ -136,13 +145,10 @@ def test_a_training_step_asks_our_language_models_for_the_loss_only(tmp_path):
     vocabulary-wide logits scattered back to the padded layout and copied to float32), with the loss unchanged;
     evaluation (`return_outputs=True`) still gets the logits; heads without the flag get nothing new."""
     torch.manual_seed(0)
-    config = VanillaTransformerConfig(
-        vocab_size=40, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
-        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, dropout=0.0,
-    )  # fmt: skip
+    config = tiny_translation_config()
     model = VanillaTransformerForConditionalGeneration(config).train()
     seen = []
-    model.register_forward_hook(lambda module, args, kwargs, output: seen.append((kwargs, output)), with_kwargs=True)
+    record_forward_calls(model, seen)
     batch = {"input_ids": torch.randint(3, 40, (2, 5)), "labels": torch.randint(3, 40, (2, 4))}
     args = train_seq2seq.PaperSeq2SeqTrainingArguments(output_dir=str(tmp_path / "s"), use_cpu=True, report_to=[])
     trainer = train_seq2seq.PaperSeq2SeqTrainer(model=model, args=args)
@@ -154,9 +160,7 @@ def test_a_training_step_asks_our_language_models_for_the_loss_only(tmp_path):
 
     classifier = VanillaTransformerForSequenceClassification(config.for_single_stack("encoder"))
     args = train_causal_lm.PaperTrainingArguments(output_dir=str(tmp_path / "c"), use_cpu=True, report_to=[])
-    classifier.register_forward_hook(
-        lambda module, args, kwargs, output: seen.append((kwargs, output)), with_kwargs=True
-    )
+    record_forward_calls(classifier, seen)
     trainer = train_causal_lm.PaperTrainer(model=classifier, args=args)
     trainer.compute_loss(classifier, {"input_ids": batch["input_ids"], "labels": torch.tensor([0, 1])})
     assert "skip_logits" not in seen[-1][0] and seen[-1][1].logits.shape == (2, 2)

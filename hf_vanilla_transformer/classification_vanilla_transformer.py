@@ -18,6 +18,7 @@ from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple
 
 from .configuration_vanilla_transformer import VanillaTransformerConfig
+from .dropout_vanilla_transformer import Dropout
 from .inputs_vanilla_transformer import (
     IGNORE_INDEX,
     check_labels,
@@ -121,7 +122,7 @@ class ClassifierHead(SingleStackTaskHead):
 
     def __init__(self, config: VanillaTransformerConfig):
         super().__init__(config)
-        self.dropout = nn.Dropout(self.config.classifier_dropout)
+        self.dropout = Dropout(self.config.classifier_dropout)
         self.classifier = nn.Linear(self.config.d_model, self.config.num_labels)
         self.post_init()
 

@@ -9,6 +9,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from .configuration_vanilla_transformer import GATED_FFN_TYPES, VanillaTransformerConfig
+from .dropout_vanilla_transformer import Dropout
 
 # ffn_type -> activation (ACT2FN key). For gated types it is applied to the gate; "bilinear" has none.
 FFN_ACTIVATIONS = {
@@ -36,7 +37,7 @@ class FeedForward(nn.Module):
         self.fc1 = nn.Linear(config.d_model, ffn_dim, bias=config.use_bias)
         self.fc2 = nn.Linear(ffn_dim, config.d_model, bias=config.use_bias)
         self.act_fn = ffn_activation(config)
-        self.activation_dropout = nn.Dropout(config.activation_dropout)
+        self.activation_dropout = Dropout(config.activation_dropout)
 
     def forward(self, hidden_states: torch.Tensor, **kwargs) -> torch.Tensor:
         """Any shape (..., d_model): each position on its own (§3.3), so the token layout that the layer's keyword
@@ -54,7 +55,7 @@ class GatedFeedForward(nn.Module):
         self.up_proj = nn.Linear(config.d_model, hidden, bias=config.use_bias)
         self.down_proj = nn.Linear(hidden, config.d_model, bias=config.use_bias)
         self.act_fn = ffn_activation(config)
-        self.activation_dropout = nn.Dropout(config.activation_dropout)
+        self.activation_dropout = Dropout(config.activation_dropout)
 
     def forward(self, hidden_states: torch.Tensor, **kwargs) -> torch.Tensor:
         """Any shape (..., d_model), each position on its own (see `FeedForward.forward`)."""

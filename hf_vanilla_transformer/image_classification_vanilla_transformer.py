@@ -22,6 +22,7 @@ from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple
 
 from .configuration_vanilla_transformer import VanillaTransformerConfig
+from .dropout_vanilla_transformer import Dropout
 from .inputs_vanilla_transformer import check_sequence_classification_labels
 from .modeling_vanilla_transformer import VanillaTransformerEncoder, VanillaTransformerPreTrainedModel
 from .moe_vanilla_transformer import MoeEncoderOutput, RouterRequest, with_router_gradient, with_router_value
@@ -179,7 +180,7 @@ class VanillaTransformerForImageClassification(VanillaTransformerImagePreTrained
         config = config.for_single_stack("encoder")
         super().__init__(config)
         self.model = VanillaTransformerImageEncoder(config)
-        self.dropout = nn.Dropout(config.classifier_dropout)
+        self.dropout = Dropout(config.classifier_dropout)
         self.classifier = nn.Linear(config.d_model, config.num_labels)
         self.post_init()
 

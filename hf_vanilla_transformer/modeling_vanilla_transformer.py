@@ -33,6 +33,7 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .auto_vanilla_transformer import HEADS, auto_map
 from .configuration_vanilla_transformer import VanillaTransformerConfig
+from .dropout_vanilla_transformer import Dropout
 from .inputs_vanilla_transformer import (
     check_attention_mask,
     check_inputs_embeds,
@@ -247,7 +248,7 @@ class VanillaTransformerStack(VanillaTransformerPreTrainedModel):
         super().__init__(config)
         self.embed_tokens = ScaledWordEmbedding(config)
         self.embed_positions = POSITION_EMBEDDINGS[config.position_embedding_type](config, config.d_model // num_heads)
-        self.dropout = nn.Dropout(config.dropout)
+        self.dropout = Dropout(config.dropout)
         self.layers = nn.ModuleList([layer_class(config, i) for i in range(num_layers)])
         self.layer_norm = build_norm(config) if has_final_norm(config) else None
         self.gradient_checkpointing = False

@@ -27,6 +27,7 @@ from transformers.modeling_outputs import (
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
 from .configuration_vanilla_transformer import GATED_FFN_TYPES, VanillaTransformerConfig
+from .dropout_vanilla_transformer import Dropout
 from .feed_forward_vanilla_transformer import ffn_activation
 from .packing_vanilla_transformer import PackedTokens
 
@@ -232,7 +233,7 @@ class VanillaTransformerExperts(nn.Module):
                 self.up_proj_bias = nn.Parameter(torch.empty(num_experts, hidden))
             self.down_proj_bias = nn.Parameter(torch.empty(num_experts, config.d_model))
         self.activation = ffn_activation(config)
-        self.activation_dropout = nn.Dropout(config.activation_dropout)
+        self.activation_dropout = Dropout(config.activation_dropout)
 
     # What the experts functions read. The decorator assigns one `has_gate` and `has_bias` to every instance of the
     # class after `__init__`; here they follow the config, so they are read off the parameters and that is ignored.

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from .configuration_vanilla_transformer import Stack, VanillaTransformerConfig
+from .dropout_vanilla_transformer import Dropout
 
 
 def build_norm(config: VanillaTransformerConfig) -> nn.Module:
@@ -71,7 +72,7 @@ class SublayerConnection(nn.Module):
         self.norm_position = config.norm_position
         self.norm = build_norm(config)
         self.sandwich_norm = build_norm(config) if config.norm_position == "sandwich" else None
-        self.dropout = nn.Dropout(config.dropout)
+        self.dropout = Dropout(config.dropout)
         self.residual_scale = residual_scale
 
     def sublayer_input(self, hidden_states: torch.Tensor) -> torch.Tensor:

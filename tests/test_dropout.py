@@ -1,0 +1,187 @@
+"""The package's Dropout: torch's dropout, with a cheaper mask on CPUs where torch samples it per element.
+
+The mask must be the same distribution as torch's (each element dropped with probability p, independently, the kept
+ones scaled by 1 / (1 - p)), its gradient the same map, and everywhere the cheaper mask does not apply the module must
+be nn.Dropout itself.
+
+python -m pytest -q tests/test_dropout.py
+"""
+
+import math
+from unittest import mock
+
+import pytest
+import torch
+from conftest import tiny_config
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hf_vanilla_transformer import (
+    VanillaTransformerConfig,
+    VanillaTransformerForConditionalGeneration,
+    VanillaTransformerForImageClassification,
+    VanillaTransformerForSequenceClassification,
+    image_classification_config,
+)
+from hf_vanilla_transformer import dropout_vanilla_transformer as dropout_module
+from hf_vanilla_transformer.dropout_vanilla_transformer import Dropout
+
+
+def per_element_cpu(answer: bool):
+    """Pretend the CPU is (True) or is not (False) one where torch samples dropout masks element by element."""
+    return mock.patch.object(dropout_module, "cpu_samples_dropout_per_element", return_value=answer)
+
+
+def within_binomial_bounds(successes: int, trials: int, probability: float, sigmas: float = 5.0) -> bool:
+    return abs(successes - trials * probability) <= sigmas * math.sqrt(trials * probability * (1 - probability))
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mask_drops_each_element_with_probability_p_and_scales_the_rest(p, dtype):
+    torch.manual_seed(0)
+    inputs = torch.ones(1_000_003, dtype=dtype)  # odd: the last draw's second half is unused
+    with per_element_cpu(True):
+        outputs = Dropout(p).train()(inputs)
+    kept = outputs != 0
+    assert within_binomial_bounds(int((~kept).sum()), inputs.numel(), p)
+    torch.testing.assert_close(outputs[kept], torch.full_like(outputs[kept], 1 / (1 - p)))
+
+
+def test_mask_elements_are_independent_within_and_across_draws():
+    """Elements 2i and 2i+1 share one 64-bit draw, 2i+1 and 2i+2 do not: both pairs drop together with p^2."""
+    torch.manual_seed(0)
+    dropped = ~dropout_module.keep_mask(torch.Size([2_000_000]), 2**31)  # p = 1/2
+    same_draw, next_draw = dropped[0::2] & dropped[1::2], dropped[1:-1:2] & dropped[2::2]
+    for pairs in (same_draw, next_draw):
+        assert within_binomial_bounds(int(pairs.sum()), pairs.numel(), 0.25)
+
+
+def test_gradient_is_the_mask_scaled():
+    torch.manual_seed(0)
+    inputs = torch.randn(64, 17, 64, requires_grad=True)
+    with per_element_cpu(True):
+        outputs = Dropout(0.1).train()(inputs)
+    upstream = torch.randn_like(outputs)
+    outputs.backward(upstream)
+    kept = outputs != 0
+    assert 0 < kept.float().mean() < 1
+    torch.testing.assert_close(outputs, torch.where(kept, inputs / 0.9, 0.0))
+    torch.testing.assert_close(inputs.grad, torch.where(kept, upstream / 0.9, 0.0))
+
+
+def test_masks_follow_torch_seed():
+    module, inputs = Dropout(0.3).train(), torch.ones(4096)
+    with per_element_cpu(True):
+        torch.manual_seed(7)
+        first, second = module(inputs), module(inputs)
+        torch.manual_seed(7)
+        assert torch.equal(module(inputs), first)
+    assert not torch.equal(first, second)
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["intel_mkl_cpu", "eval", "p=0", "p=1", "inplace", "compiling"],
+)
+def test_everywhere_else_it_is_torch_dropout(case):
+    """Bit for bit torch's dropout (same seed, same output) and the cheaper mask is never drawn."""
+    p = {"p=0": 0.0, "p=1": 1.0}.get(case, 0.25)
+    module = Dropout(p, inplace=case == "inplace").train(case != "eval")
+    reference = torch.nn.Dropout(p, inplace=case == "inplace").train(case != "eval")
+    compiling = mock.patch.object(dropout_module, "is_torchdynamo_compiling", return_value=case == "compiling")
+    drawn = mock.patch.object(dropout_module, "keep_mask", side_effect=AssertionError("cheaper mask drawn"))
+    with per_element_cpu(case != "intel_mkl_cpu"), compiling, drawn:
+        torch.manual_seed(3)
+        outputs = module(torch.randn(4096))
+        torch.manual_seed(3)
+        expected = reference(torch.randn(4096))
+    assert torch.equal(outputs, expected)
+
+
+def test_the_cheaper_mask_is_drawn_on_per_element_cpus_only():
+    with mock.patch.object(dropout_module, "keep_mask", wraps=dropout_module.keep_mask) as drawn:
+        for per_element in (True, False):
+            with per_element_cpu(per_element):
+                Dropout(0.1).train()(torch.randn(128))
+        assert drawn.call_count == 1
+
+
+@pytest.mark.parametrize(
+    ("mkl", "vendor", "per_element"),
+    [
+        (True, "vendor_id\t: GenuineIntel\n", False),
+        (True, "vendor_id\t: AuthenticAMD\n", True),
+        (False, "vendor_id\t: GenuineIntel\n", True),  # a build without MKL samples per element everywhere
+        (True, "", True),  # Arm and unknown CPUs
+    ],
+)
+def test_which_cpus_sample_per_element(mkl, vendor, per_element):
+    dropout_module.cpu_samples_dropout_per_element.cache_clear()
+    try:
+        with (
+            mock.patch.object(torch.backends.mkl, "is_available", return_value=mkl),
+            mock.patch.object(dropout_module, "cpu_vendor", return_value=vendor),
+        ):
+            assert dropout_module.cpu_samples_dropout_per_element() is per_element
+    finally:
+        dropout_module.cpu_samples_dropout_per_element.cache_clear()
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda: VanillaTransformerForConditionalGeneration(tiny_config(dropout=0.1, activation_dropout=0.1)),
+        lambda: VanillaTransformerForConditionalGeneration(tiny_config(num_experts=2, num_experts_per_tok=1)),
+        lambda: VanillaTransformerForSequenceClassification(
+            VanillaTransformerConfig(**{**tiny_config().to_dict(), "is_encoder_decoder": False})
+        ),
+        lambda: VanillaTransformerForImageClassification(
+            image_classification_config(
+                d_model=16,
+                encoder_layers=1,
+                encoder_attention_heads=2,
+                encoder_ffn_dim=32,
+                image_size=8,
+                patch_size=4,
+                num_labels=3,
+            )
+        ),
+    ],
+    ids=["seq2seq", "moe", "classifier", "image"],
+)
+def test_every_dropout_of_the_models_is_the_package_dropout(build):
+    dropouts = [module for module in build().modules() if isinstance(module, torch.nn.Dropout)]
+    assert dropouts and all(type(module) is Dropout for module in dropouts)
+
+
+def test_a_training_step_through_the_cheaper_mask_is_reproducible():
+    config = tiny_config(dropout=0.3, activation_dropout=0.2)
+    model = VanillaTransformerForConditionalGeneration(config).train()
+    batch = dict(input_ids=torch.randint(4, 32, (3, 7)), labels=torch.randint(4, 32, (3, 5)))
+    with per_element_cpu(True):
+        losses = []
+        for _ in range(2):
+            torch.manual_seed(11)
+            losses.append(model(**batch).loss)
+        with torch.no_grad():
+            eval_loss = model.eval()(**batch).loss
+    assert torch.equal(losses[0], losses[1]) and not torch.equal(losses[0], eval_loss)
+
+
+@settings(max_examples=60, derandomize=True, database=None, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    shape=st.lists(st.integers(0, 6), min_size=0, max_size=3),
+    p=st.floats(0.01, 0.99),
+    transposed=st.booleans(),
+)
+def test_any_shape_keeps_or_zeroes_each_element(shape, p, transposed):
+    inputs = torch.randn(*shape, 2) + 3.0  # never 0, so a 0 output is a dropped element
+    inputs = (inputs.transpose(0, -1) if transposed else inputs).requires_grad_()
+    with per_element_cpu(True):
+        outputs = Dropout(p).train()(inputs)
+    assert outputs.shape == inputs.shape
+    kept = outputs != 0
+    torch.testing.assert_close(outputs, torch.where(kept, inputs / (1 - p), 0.0))
+    outputs.sum().backward()
+    torch.testing.assert_close(inputs.grad, torch.where(kept, 1 / (1 - p), 0.0))

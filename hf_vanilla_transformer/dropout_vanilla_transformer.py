@@ -4,9 +4,10 @@ PyTorch draws a CPU dropout mask with MKL's vectorised Bernoulli sampler only on
 Arm) it takes one Mersenne-Twister draw and one comparison in double precision per element, serially: dropout alone
 was ~13 % of a training step of the small ViT in benchmarks/image_classification.py on an AMD EPYC. There `Dropout`
 splits each 64-bit draw of the same generator into two uniform 32-bit integers and keeps an element where its integer
-clears the threshold: the same Bernoulli(1 - p) mask at 2^-32 resolution, scaled by 1 / (1 - p) as PyTorch scales it,
-in about half the time (forward and backward; benchmarks/cpu_dropout.py). Everywhere else, and under torch.compile
-(which generates its own masks), it is `nn.Dropout`.
+clears the threshold: the same Bernoulli(1 - p) mask at 2^-32 resolution, scaled by 1 / (1 - p) as PyTorch scales it.
+Forward and backward take 0.55-0.7 of nn.Dropout's time with one thread, 0.45-0.6 with two (PyTorch's sampler is
+serial, the rest parallel; benchmarks/cpu_dropout.py, AMD EPYC). Everywhere else, and under torch.compile (which
+generates its own masks), it is `nn.Dropout`.
 """
 
 import functools
@@ -58,7 +59,9 @@ class Dropout(nn.Dropout):
             or not cpu_samples_dropout_per_element()
         ):
             return super().forward(input)
-        return input.mul(keep_mask(input.shape, dropped_per_2_32)).mul_(1.0 / (1.0 - self.p))
+        # As PyTorch's own CPU dropout: input times a noise tensor of 0 and 1 / (1 - p), kept for the backward.
+        noise = keep_mask(input.shape, dropped_per_2_32).to(input.dtype).div_(1.0 - self.p)
+        return input * noise
 
 
 __all__ = ["Dropout", "cpu_samples_dropout_per_element", "keep_mask"]

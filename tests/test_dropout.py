@@ -7,6 +7,7 @@ be nn.Dropout itself.
 python -m pytest -q tests/test_dropout.py
 """
 
+import copy
 import math
 from unittest import mock
 
@@ -167,6 +168,22 @@ def test_a_training_step_through_the_cheaper_mask_is_reproducible():
         with torch.no_grad():
             eval_loss = model.eval()(**batch).loss
     assert torch.equal(losses[0], losses[1]) and not torch.equal(losses[0], eval_loss)
+
+
+def test_gradient_checkpointing_recomputes_the_same_masks():
+    """The recomputed forward of a checkpointed layer must draw the masks of the first forward (torch's checkpoint
+    restores the CPU generator's state), or its gradients would belong to other masks."""
+    torch.manual_seed(0)
+    plain = VanillaTransformerForConditionalGeneration(tiny_config(dropout=0.3, activation_dropout=0.2)).train()
+    checkpointed = copy.deepcopy(plain)
+    checkpointed.gradient_checkpointing_enable()
+    batch = dict(input_ids=torch.randint(4, 64, (3, 7)), labels=torch.randint(4, 64, (3, 5)))
+    with per_element_cpu(True):
+        for model in (plain, checkpointed):
+            torch.manual_seed(5)
+            model(**batch).loss.backward()
+    for name, parameter in plain.named_parameters():
+        torch.testing.assert_close(checkpointed.get_parameter(name).grad, parameter.grad, msg=name)
 
 
 @settings(max_examples=60, derandomize=True, database=None, deadline=None, suppress_health_check=[HealthCheck.too_slow])

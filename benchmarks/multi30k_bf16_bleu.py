@@ -89,7 +89,8 @@ def main() -> None:
             if process is not None and process.wait() != 0:
                 raise SystemExit(f"a recipe run of seed {seed} failed (exit {process.returncode})")
 
-    summary: dict = {"steps": args.steps, "jobs": args.jobs, "seeds": {}}
+    threads_per_run = 1 if args.jobs == 2 else torch.get_num_threads()
+    summary: dict = {"steps": args.steps, "jobs": args.jobs, "threads_per_run": threads_per_run, "seeds": {}}
     differences: dict[str, list[float]] = {name: [] for name in REPORTED}
     for seed, run_dirs in runs.items():
         results = {p: json.loads((d / "all_results.json").read_text()) for p, d in run_dirs.items()}

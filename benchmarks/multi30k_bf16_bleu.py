@@ -53,6 +53,14 @@ def start_recipe(data_dir: Path, out_dir: Path, precision: str, seed: int, steps
     return subprocess.Popen(command, env=env, preexec_fn=lambda: os.sched_setaffinity(0, {core}))
 
 
+def wait_for(running: list[subprocess.Popen]) -> None:
+    """Wait for the started runs, in order; stop at the first that failed (its output says why)."""
+    while running:
+        process = running.pop(0)
+        if process.wait() != 0:
+            raise SystemExit(f"a recipe run failed (exit {process.returncode}): {' '.join(process.args)}")
+
+
 def paired_p_value(data_dir: Path, run_dirs: dict[str, Path]) -> float:
     """sacreBLEU's paired approximate randomization on test2016: p-value of bf16's BLEU differing from fp32's."""
     with open(data_dir / "test2016.jsonl") as lines:
@@ -77,17 +85,16 @@ def main() -> None:
     data_dir = args.data_dir.resolve()
 
     runs: dict[int, dict[str, Path]] = {}
+    running: list[subprocess.Popen] = []
     for seed in args.seeds:
         runs[seed] = {precision: args.work_dir / f"{precision}-seed{seed}" for precision in PRECISION_FLAGS}
-        processes = []
         for core, (precision, run_dir) in enumerate(runs[seed].items()):
             process = start_recipe(data_dir, run_dir, precision, seed, args.steps, core if args.jobs == 2 else None)
-            if process is not None and args.jobs == 1:
-                process.wait()
-            processes.append(process)
-        for process in processes:
-            if process is not None and process.wait() != 0:
-                raise SystemExit(f"a recipe run of seed {seed} failed (exit {process.returncode})")
+            if process is not None:
+                running.append(process)
+            if args.jobs == 1:
+                wait_for(running)
+        wait_for(running)
 
     threads_per_run = 1 if args.jobs == 2 else torch.get_num_threads()
     summary: dict = {"steps": args.steps, "jobs": args.jobs, "threads_per_run": threads_per_run, "seeds": {}}

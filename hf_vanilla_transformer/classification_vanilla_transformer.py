@@ -23,6 +23,8 @@ from .inputs_vanilla_transformer import (
     IGNORE_INDEX,
     check_labels,
     check_sequence_classification_labels,
+    current_tokens,
+    labels_outside,
 )
 from .modeling_vanilla_transformer import (
     VanillaTransformerDecoder,
@@ -36,7 +38,6 @@ from .moe_vanilla_transformer import (
     with_router_gradient,
     with_router_value,
 )
-from .packing_vanilla_transformer import token_mask_of
 
 
 def with_item_count(kwargs: dict, labels: torch.Tensor) -> dict:
@@ -55,10 +56,9 @@ def runs_causal_decoder(config: VanillaTransformerConfig) -> bool:
 def positions_after_left_padding(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
     """Position ids that start at 0 on each row's first real token, as `generate` gives left-padded prompts: a row's
     outputs then do not depend on the padding in front of it. Padding positions get 0 (they are masked anyway)."""
-    token_mask = token_mask_of(attention_mask)
-    if token_mask is None:
+    if attention_mask is None or attention_mask.dim() != 2:
         return None
-    return (token_mask.long().cumsum(-1) - 1).clamp(min=0)
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
 def last_token_indices(token_mask: torch.Tensor | None, batch_size: int, length: int, device) -> torch.Tensor:
@@ -109,9 +109,9 @@ class SingleStackTaskHead(VanillaTransformerPreTrainedModel):
             output_router_logits=router.compute,
             **kwargs,
         )
-        padding_mask = token_mask_of(attention_mask)
+        tokens = current_tokens(attention_mask, outputs.last_hidden_state.shape[1])
         stack = "decoder" if self.config.is_decoder else "encoder"
-        return outputs, router.losses(self.config, **{stack: (outputs.router_logits, padding_mask, padding_mask)})
+        return outputs, router.losses(self.config, **{stack: (getattr(outputs, "router_logits", None), tokens)})
 
 
 class ClassifierHead(SingleStackTaskHead):
@@ -167,7 +167,7 @@ class VanillaTransformerForSequenceClassification(ClassifierHead):
         self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None, input_ids: torch.Tensor | None
     ) -> torch.Tensor:
         """The pooled vector of each sequence, (batch, d_model)."""
-        token_mask = token_mask_of(attention_mask)
+        token_mask = current_tokens(attention_mask, hidden_states.shape[1])
         if self.config.is_decoder:
             if token_mask is None and input_ids is not None and self.config.pad_token_id is not None:
                 token_mask = input_ids != self.config.pad_token_id  # Llama's fallback without an attention mask
@@ -184,7 +184,8 @@ class VanillaTransformerForSequenceClassification(ClassifierHead):
     def classification_loss(self, logits: torch.Tensor, labels: torch.Tensor, **kwargs) -> torch.Tensor:
         check_sequence_classification_labels(labels, logits.shape[0], self.config.num_labels, self.config.problem_type)
         kwargs = with_item_count(kwargs, labels)
-        return self.loss_function(labels=labels, pooled_logits=logits, config=self.config, **kwargs)
+        with labels_outside(self.config.num_labels):
+            return self.loss_function(labels=labels, pooled_logits=logits, config=self.config, **kwargs)
 
 
 class VanillaTransformerForTokenClassification(ClassifierHead):
@@ -201,7 +202,8 @@ class VanillaTransformerForTokenClassification(ClassifierHead):
 
     def classification_loss(self, logits: torch.Tensor, labels: torch.Tensor, **kwargs) -> torch.Tensor:
         check_labels(labels, logits.shape[:2], self.config.num_labels)
-        return self.loss_function(logits, labels, self.config, **with_item_count(kwargs, labels))
+        with labels_outside(self.config.num_labels):
+            return self.loss_function(logits, labels, self.config, **with_item_count(kwargs, labels))
 
 
 class VanillaTransformerForQuestionAnswering(SingleStackTaskHead):

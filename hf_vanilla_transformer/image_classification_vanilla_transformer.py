@@ -23,7 +23,7 @@ from transformers.utils import TransformersKwargs, can_return_tuple
 
 from .configuration_vanilla_transformer import VanillaTransformerConfig
 from .dropout_vanilla_transformer import Dropout
-from .inputs_vanilla_transformer import check_sequence_classification_labels
+from .inputs_vanilla_transformer import check_sequence_classification_labels, labels_outside
 from .modeling_vanilla_transformer import VanillaTransformerEncoder, VanillaTransformerPreTrainedModel
 from .moe_vanilla_transformer import MoeEncoderOutput, RouterRequest, with_router_gradient, with_router_value
 
@@ -210,10 +210,13 @@ class VanillaTransformerForImageClassification(VanillaTransformerImagePreTrained
         )
         router = RouterRequest.of(self.config, labels, output_router_logits)
         outputs = self.model(pixel_values, output_router_logits=router.compute, return_dict=True, **kwargs)
-        router_losses = router.losses(self.config, encoder=(outputs.router_logits, None, None))
+        router_losses = router.losses(self.config, encoder=(getattr(outputs, "router_logits", None), None))
         logits = self.classifier(self.dropout(self.pooled(outputs.last_hidden_state)))
         logits = with_router_gradient(logits, router_losses)
-        loss = None if labels is None else self.loss_function(labels, logits, self.config, **kwargs)
+        loss = None
+        if labels is not None:
+            with labels_outside(self.config.num_labels):
+                loss = self.loss_function(labels, logits, self.config, **kwargs)
         return ImageClassifierOutput(
             loss=with_router_value(loss, router_losses),
             logits=logits,

@@ -3,9 +3,11 @@
 Each check raises a `TypeError` (wrong kind of tensor) or `ValueError` (wrong shape or value) naming the argument,
 what it got and what it expects, before a torch op fails deep inside the model with a message about its internals or,
 worse, silently computes something else (a (batch, length, length) mask that would be ignored, a mask using -1 for
-padding). Checks that read values cost one host sync; under torch.compile they are skipped, as the traced graph
-cannot branch on data.
+padding). Shapes and dtypes are known on the host. Values are checked with `require`, which never waits for the
+device (see there); under torch.compile value checks are left out of the graph.
 """
+
+from contextlib import contextmanager
 
 import torch
 from transformers.utils import is_torchdynamo_compiling
@@ -30,8 +32,36 @@ def _require_shape(tensor: torch.Tensor, expected: Shape, name: str, meaning: st
         raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected {meaning} = {tuple(expected)}.")
 
 
-def _checks_values() -> bool:
-    return not is_torchdynamo_compiling()
+def require(condition: torch.Tensor, message: str) -> None:
+    """Raise `message` where the 0-dim bool tensor `condition` is False, without a host-device sync: on an
+    accelerator `torch._assert_async` fails the device's stream later instead of stopping the host to read the value
+    now; on a CPU tensor it raises at once, as a ValueError here. Not traced by torch.compile."""
+    if is_torchdynamo_compiling():
+        return
+    try:
+        torch._assert_async(condition, message)
+    except RuntimeError:
+        raise ValueError(message) from None
+
+
+def current_tokens(attention_mask: torch.Tensor | None, length: int) -> torch.Tensor | None:
+    """The tokens among the last `length` columns of a 2D padding mask, (batch, length) bool: the positions of this
+    forward (the mask of a decoding step also covers the cache). None for no mask or a 4D one, which says nothing
+    about padding."""
+    if attention_mask is None or attention_mask.dim() != 2:
+        return None
+    return attention_mask[:, -length:].bool()
+
+
+@contextmanager
+def raises_value_error(error_type: type[Exception], message: str):
+    """Replace an `error_type` raised inside by a ValueError with `message`: for the checks a kernel makes anyway, an
+    embedding's of its ids and a loss's of its targets, whose CPU errors name no argument (on an accelerator they
+    assert on the device). Free: nothing runs unless it failed."""
+    try:
+        yield
+    except error_type as error:
+        raise ValueError(f"{message}: {error}") from None
 
 
 def check_token_ids(input_ids: torch.Tensor, name: str = "input_ids") -> None:
@@ -66,41 +96,44 @@ def check_not_empty(batch_and_length: Shape, name: str) -> None:
         )
 
 
-def check_attention_mask(
-    mask: torch.Tensor | None, batch_size: int, query_length: int, key_length: int, name: str, cached: bool = False
-) -> None:
-    """A padding mask (batch, key_length) of 0/1 or bool (1 = token, 0 = padding), or a 4-D mask the caller built,
-    (batch or 1, heads or 1, query_length, key_length), bool or additive float; with a cache (`cached`) a 4-D mask
-    may have more key columns (a static cache's full length). Any other rank is refused: transformers' mask
-    functions would ignore a (batch, length, length) mask, and a 1-D one has no batch."""
+def checked_attention_mask(
+    mask: torch.Tensor | None,
+    batch_size: int,
+    query_length: int,
+    key_length: int | None,
+    name: str,
+    check_values: bool = True,
+) -> torch.Tensor | None:
+    """The mask, checked: a padding mask (batch, key_length) of 0/1 or bool (1 = token, 0 = padding), returned as bool
+    (what transformers' mask functions convert it to), or a 4-D mask the caller built, (batch or 1, heads or 1,
+    query_length, key_length), bool or additive float, returned as given. `key_length` is None where the keys are a
+    static cache's, whose masks span the whole cache; `check_values=False` where the mask's values were checked
+    already. Any other rank is refused: transformers' mask functions would ignore a (batch, length, length) mask,
+    and a 1-D one has no batch."""
     if mask is None:
-        return
+        return None
     _require_tensor(mask, name)
     if mask.dim() == 2:
-        _require_shape(mask, (batch_size, key_length), name, "(batch, length)")
-        if _checks_values() and mask.dtype != torch.bool and bool(((mask != 0) & (mask != 1)).any()):
-            raise ValueError(
-                f"{name} must hold 1 for tokens and 0 for padding (or be bool), got values "
-                f"{sorted(set(mask.unique().tolist()))}."
-            )
-    elif mask.dim() == 4:
+        if mask.shape[0] != batch_size or key_length not in (None, mask.shape[1]):
+            expected = (batch_size, key_length)
+            raise ValueError(f"{name} has shape {tuple(mask.shape)}, expected (batch, length) = {expected}.")
+        token_mask = mask.bool()
+        if check_values and mask.dtype != torch.bool:
+            require(mask.eq(token_mask).all(), f"{name} must hold 1 for tokens and 0 for padding (or be bool).")
+        return token_mask
+    if mask.dim() == 4:
         batch, _, rows, columns = mask.shape
-        # A compiled step reads a static cache's length as a tensor: comparing it would break the graph in two.
-        if (
-            batch not in (1, batch_size)
-            or rows != query_length
-            or (_checks_values() and not (columns >= key_length if cached else columns == key_length))
-        ):
+        if batch not in (1, batch_size) or rows != query_length or key_length not in (None, columns):
             raise ValueError(
                 f"{name} has shape {tuple(mask.shape)}, expected a 4-D mask (batch={batch_size} or 1, heads or 1, "
                 f"query_length={query_length}, key_length={key_length})."
             )
-    else:
-        raise ValueError(
-            f"{name} has shape {tuple(mask.shape)}: expected a (batch, length) padding mask of 0/1, or a 4-D "
-            "(batch, 1, query_length, key_length) mask; a 3-D (batch, length, length) mask is not supported "
-            "(add the head dimension: mask[:, None])."
-        )
+        return mask
+    raise ValueError(
+        f"{name} has shape {tuple(mask.shape)}: expected a (batch, length) padding mask of 0/1, or a 4-D "
+        "(batch, 1, query_length, key_length) mask; a 3-D (batch, length, length) mask is not supported "
+        "(add the head dimension: mask[:, None])."
+    )
 
 
 def check_position_ids(position_ids: torch.Tensor | None, batch_size: int, length: int) -> None:
@@ -117,24 +150,22 @@ def check_position_ids(position_ids: torch.Tensor | None, batch_size: int, lengt
         raise ValueError(
             f"position_ids has shape {tuple(position_ids.shape)}, expected (batch={batch_size} or 1, length={length})."
         )
-    if _checks_values() and bool((position_ids < 0).any()):
-        raise ValueError(f"position_ids must be >= 0, got {int(position_ids.min())}.")
+    require((position_ids >= 0).all(), "position_ids must be >= 0.")
 
 
 def check_labels(labels: torch.Tensor | None, expected_shape: Shape, num_classes: int, name: str = "labels") -> None:
-    """Class labels: integer, of `expected_shape`, each in [0, num_classes) or -100 (ignored)."""
+    """Class labels: integer, of `expected_shape`. Their values, each in [0, num_classes) or -100 (ignored), are
+    checked by the loss (see `raises_value_error`)."""
     if labels is None:
         return
     _require_tensor(labels, name)
     _require_integer_dtype(labels, name, "class ids (-100 where ignored)")
     _require_shape(labels, expected_shape, name, "the shape of the outputs they score")
-    if _checks_values():
-        invalid = (labels != IGNORE_INDEX) & ((labels < 0) | (labels >= num_classes))
-        if bool(invalid.any()):
-            raise ValueError(
-                f"{name} holds {int(labels[invalid][0])}; expected ids in [0, {num_classes}) or {IGNORE_INDEX} "
-                "(ignored)."
-            )
+
+
+def labels_outside(num_classes: int, name: str = "labels"):
+    """The context a loss over class ids runs in: an id outside [0, num_classes) (and not -100) is a ValueError."""
+    return raises_value_error(IndexError, f"{name} must hold ids in [0, {num_classes}) or {IGNORE_INDEX} (ignored)")
 
 
 def check_same_batch(name: str, batch_size: int, other_name: str, other_batch_size: int) -> None:
@@ -216,7 +247,11 @@ def check_can_shift_labels(pad_token_id: int | None, decoder_start_token_id: int
 
 __all__ = [
     "IGNORE_INDEX",
-    "check_attention_mask",
+    "labels_outside",
+    "raises_value_error",
+    "require",
+    "checked_attention_mask",
+    "current_tokens",
     "check_inputs_embeds",
     "check_labels",
     "check_not_empty",

@@ -2,10 +2,8 @@
 decoder) and the masked LM (BERT-style pretraining of an encoder), each with the pre-softmax projection tied to its
 embedding (§3.4).
 
-Each `forward` reads as Mixtral's: the model, `lm_head`, `loss_function`, and with experts the router losses. Two
-things are added for padded batches (packing_vanilla_transformer): with labels, the stack computes only the positions
-the loss reads (`positions_to_compute`), and in training the vocabulary projection and the loss run on the scored
-positions only (`scored_positions`). A dense model returns before any router code.
+Each `forward` reads as Mixtral's: the model, `lm_head`, `loss_function`, and with experts the router losses. A
+batch may come padded or flattened (packing_vanilla_transformer); the heads read neither layout's values on the host.
 """
 
 import torch
@@ -25,7 +23,14 @@ from transformers.utils import TransformersKwargs, can_return_tuple
 
 from .configuration_vanilla_transformer import VanillaTransformerConfig
 from .generation_vanilla_transformer import VanillaTransformerGenerationMixin
-from .inputs_vanilla_transformer import IGNORE_INDEX, check_can_shift_labels, check_skip_logits, check_token_labels
+from .inputs_vanilla_transformer import (
+    IGNORE_INDEX,
+    check_can_shift_labels,
+    check_skip_logits,
+    check_token_labels,
+    current_tokens,
+    labels_outside,
+)
 from .modeling_vanilla_transformer import (
     VanillaTransformerDecoder,
     VanillaTransformerEncoder,
@@ -33,26 +38,16 @@ from .modeling_vanilla_transformer import (
     VanillaTransformerPreTrainedModel,
 )
 from .moe_vanilla_transformer import MoeCausalLMOutput, RouterRequest, with_router_gradient, with_router_value
-from .packing_vanilla_transformer import PackedTokens, positions_the_loss_needs, token_mask_of
+from .packing_vanilla_transformer import Sequences, shift_packed_labels
 
 
 def first_given(*tensors: torch.Tensor | None) -> torch.Tensor | None:
     return next((tensor for tensor in tensors if tensor is not None), None)
 
 
-def current_tokens(attention_mask: torch.Tensor | None, length: int) -> torch.Tensor | None:
-    """The tokens among the last `length` columns of a padding mask: the positions of this forward (the mask of a
-    decoding step also covers the cache)."""
-    padding_mask = token_mask_of(attention_mask)
-    return None if padding_mask is None else padding_mask[:, -length:]
-
-
-def positions_to_compute(targets: torch.Tensor | None, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
-    """The positions a causal stack must compute for a loss over `targets`: those the loss reads and the real tokens
-    before them; None without targets (every token of the attention mask)."""
-    if targets is None:
-        return None
-    return positions_the_loss_needs(targets != IGNORE_INDEX, token_mask_of(attention_mask))
+def without_cache_in_training(use_cache: bool | None, labels: torch.Tensor | None, training: bool) -> bool | None:
+    """No KV cache where nothing will read it: with labels (as BART) or in training unless asked for."""
+    return False if labels is not None or (training and use_cache is None) else use_cache
 
 
 def require_encoder_decoder(config: VanillaTransformerConfig) -> None:
@@ -72,45 +67,19 @@ def require_encoder_decoder(config: VanillaTransformerConfig) -> None:
 
 
 class LanguageModelingHead(VanillaTransformerPreTrainedModel):
-    """What the language-model heads share: `lm_head` over the positions a forward scores, and the token loss."""
+    """What the language-model heads share: the token loss."""
 
-    def scored_positions(self, targets: torch.Tensor | None, logits_to_keep: int | torch.Tensor) -> PackedTokens | None:
-        """In training with `config.padding_free`, where the loss ignores some positions, the layout of those it
-        reads: the only logits a training step needs (the others are returned as 0). None otherwise."""
-        keeps_all = isinstance(logits_to_keep, int) and logits_to_keep == 0
-        if targets is None or not (self.training and self.config.padding_free and keeps_all):
-            return None
-        return PackedTokens.of(targets != IGNORE_INDEX)
-
-    def token_logits(
-        self, hidden_states: torch.Tensor, scored: PackedTokens | None, logits_to_keep: int | torch.Tensor
-    ) -> torch.Tensor:
-        if scored is not None:
-            return self.lm_head(scored.pack(hidden_states))
-        return self.lm_head(slice_logits_to_keep(hidden_states, logits_to_keep))
-
-    def token_loss(
-        self, logits: torch.Tensor, targets: torch.Tensor | None, scored: PackedTokens | None, **kwargs
-    ) -> torch.Tensor | None:
-        """transformers' loss over the targets of the scored logits. Summed over tokens and divided by
-        `num_items_in_batch` when the Trainer passes it: exact under gradient accumulation, unlike a per-batch mean.
-        Otherwise divided by the counted tokens, at least 1, so that a batch whose labels are all ignored has loss 0
+    def token_loss(self, logits: torch.Tensor, targets: torch.Tensor | None, **kwargs) -> torch.Tensor | None:
+        """transformers' loss over the targets. Summed over tokens and divided by `num_items_in_batch` when the
+        Trainer passes it: exact under gradient accumulation, unlike a per-batch mean. Otherwise divided by the
+        counted tokens, at least 1 (a tensor: no sync), so that a batch whose labels are all ignored has loss 0
         rather than the NaN of an empty mean."""
         if targets is None:
             return None
-        targets = targets.contiguous() if scored is None else scored.pack(targets)  # the loss flattens with view()
         if kwargs.get("num_items_in_batch") is None:
             kwargs["num_items_in_batch"] = (targets != IGNORE_INDEX).sum().clamp(min=1)
-        return self.loss_function(logits, targets, vocab_size=self.config.vocab_size, **kwargs)
-
-
-def returned_logits(logits: torch.Tensor, scored: PackedTokens | None, skip_logits: bool) -> torch.Tensor | None:
-    """The logits in the (batch, length, vocab) layout, 0 at the positions that were not scored; None with
-    `skip_logits`, for a training step that reads the loss only (scattering and, under autocast, Accelerate's
-    float32 copy of a vocabulary-wide tensor nobody reads cost a tenth of a Multi30k step)."""
-    if skip_logits:
-        return None
-    return logits if scored is None else scored.unpack(logits)
+        with labels_outside(self.config.vocab_size):
+            return self.loss_function(logits, targets.contiguous(), vocab_size=self.config.vocab_size, **kwargs)
 
 
 class VanillaTransformerForConditionalGeneration(LanguageModelingHead, VanillaTransformerGenerationMixin):
@@ -141,8 +110,12 @@ class VanillaTransformerForConditionalGeneration(LanguageModelingHead, VanillaTr
             self.lm_head.bias = nn.Parameter(new_bias)
         return embeddings
 
-    def prepare_decoder_input_ids_from_labels(self, labels: torch.Tensor) -> torch.Tensor:
+    def prepare_decoder_input_ids_from_labels(self, labels: torch.Tensor, targets: Sequences | None = None):
+        """Teacher forcing: the labels shifted right behind `decoder_start_token_id`, -100 replaced by
+        `pad_token_id`; per sequence in a flattened batch (`targets`)."""
         check_can_shift_labels(self.config.pad_token_id, self.config.decoder_start_token_id)
+        if targets is not None:
+            return shift_packed_labels(labels, targets, self.config.pad_token_id, self.config.decoder_start_token_id)
         return shift_tokens_right(labels, self.config.pad_token_id, self.config.decoder_start_token_id)
 
     @can_return_tuple
@@ -177,9 +150,8 @@ class VanillaTransformerForConditionalGeneration(LanguageModelingHead, VanillaTr
         check_token_labels(labels, self.config.vocab_size, decoder_inputs, "decoder_input_ids")
         check_skip_logits(skip_logits, labels)
         if labels is not None and decoder_inputs is None:
-            decoder_input_ids = self.prepare_decoder_input_ids_from_labels(labels)
+            decoder_input_ids = self.prepare_decoder_input_ids_from_labels(labels, Sequences.of(kwargs, "q"))
         router = RouterRequest.of(self.config, labels, output_router_logits)
-        decoder_token_mask = positions_to_compute(labels, decoder_attention_mask)
         outputs = self.model(
             input_ids,
             return_dict=True,  # the head reads fields; its own return_dict applies to its output
@@ -190,13 +162,11 @@ class VanillaTransformerForConditionalGeneration(LanguageModelingHead, VanillaTr
             past_key_values=past_key_values,
             inputs_embeds=inputs_embeds,
             decoder_inputs_embeds=decoder_inputs_embeds,
-            use_cache=use_cache,
-            decoder_token_mask=decoder_token_mask,
+            use_cache=without_cache_in_training(use_cache, labels, self.training),
             output_router_logits=router.compute,
             **kwargs,
         )
-        scored = self.scored_positions(labels, logits_to_keep)
-        logits = self.token_logits(outputs.last_hidden_state, scored, logits_to_keep)
+        logits = self.lm_head(slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep))
         model_outputs = dict(
             past_key_values=outputs.past_key_values,
             decoder_hidden_states=outputs.decoder_hidden_states,
@@ -207,28 +177,27 @@ class VanillaTransformerForConditionalGeneration(LanguageModelingHead, VanillaTr
             encoder_attentions=outputs.encoder_attentions,
         )
         if self.config.num_experts == 0:
-            loss = self.token_loss(logits, labels, scored, **kwargs)
-            return Seq2SeqLMOutput(loss=loss, logits=returned_logits(logits, scored, skip_logits), **model_outputs)
+            loss = self.token_loss(logits, labels, **kwargs)
+            return Seq2SeqLMOutput(loss=loss, logits=None if skip_logits else logits, **model_outputs)
 
-        # Mixture of Experts: the router losses of both stacks, counted over the positions each routed, join the
-        # gradient through the logits, so that a loss built from them alone (the Trainer's label smoothing) trains
-        # the routers too.
-        source_tokens = token_mask_of(attention_mask)
-        target_tokens = current_tokens(decoder_attention_mask, outputs.last_hidden_state.shape[1])
-        decoder_routed = target_tokens if decoder_token_mask is None else decoder_token_mask
+        # Mixture of Experts: the router losses of both stacks, counted over their tokens, join the gradient through
+        # the logits, so that a loss built from them alone (the Trainer's label smoothing) trains the routers too.
         router_losses = router.losses(
             self.config,
-            encoder=(outputs.encoder_router_logits, source_tokens, source_tokens),
-            decoder=(outputs.decoder_router_logits, decoder_routed, target_tokens),
+            encoder=(
+                outputs.encoder_router_logits,
+                current_tokens(attention_mask, outputs.encoder_last_hidden_state.shape[1]),
+            ),
+            decoder=(outputs.decoder_router_logits, current_tokens(decoder_attention_mask, logits.shape[1])),
         )
         logits = with_router_gradient(logits, router_losses)
-        loss = self.token_loss(logits, labels, scored, **kwargs)
+        loss = self.token_loss(logits, labels, **kwargs)
         aux, z = (router_losses.aux, router_losses.z) if router.report else ({}, {})
         return Seq2SeqMoEOutput(
             loss=with_router_value(loss, router_losses),
-            logits=returned_logits(logits, scored, skip_logits),
-            encoder_router_logits=router.returned(outputs.encoder_router_logits, source_tokens),
-            decoder_router_logits=router.returned(outputs.decoder_router_logits, decoder_routed),
+            logits=None if skip_logits else logits,
+            encoder_router_logits=router.returned(outputs.encoder_router_logits),
+            decoder_router_logits=router.returned(outputs.decoder_router_logits),
             encoder_aux_loss=aux.get("encoder"),
             decoder_aux_loss=aux.get("decoder"),
             encoder_z_loss=z.get("encoder"),
@@ -255,7 +224,9 @@ class VanillaTransformerForCausalLM(LanguageModelingHead, VanillaTransformerGene
 
     @staticmethod
     def next_token_targets(labels: torch.Tensor | None, shift_labels: torch.Tensor | None) -> torch.Tensor | None:
-        """The label each position predicts: position t predicts token t + 1 (or the caller's `shift_labels`)."""
+        """The label each position predicts: position t predicts token t + 1 (or the caller's `shift_labels`). In a
+        flattened batch each sequence's first label is -100 (`DataCollatorWithFlattening`), so no position predicts
+        the next sequence."""
         if labels is None or shift_labels is not None:
             return shift_labels
         return nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
@@ -288,7 +259,6 @@ class VanillaTransformerForCausalLM(LanguageModelingHead, VanillaTransformerGene
         targets = self.next_token_targets(labels, kwargs.get("shift_labels"))
         check_skip_logits(skip_logits, targets)
         router = RouterRequest.of(self.config, targets, output_router_logits)
-        token_mask = positions_to_compute(targets, attention_mask)
         outputs = self.model(
             return_dict=True,  # the head reads fields; its own return_dict applies to its output
             input_ids=input_ids,
@@ -296,32 +266,27 @@ class VanillaTransformerForCausalLM(LanguageModelingHead, VanillaTransformerGene
             position_ids=position_ids,
             past_key_values=past_key_values,
             inputs_embeds=inputs_embeds,
-            use_cache=use_cache,
-            token_mask=token_mask,
+            use_cache=without_cache_in_training(use_cache, targets, self.training),
             output_router_logits=router.compute,
             **kwargs,
         )
-        scored = self.scored_positions(targets, logits_to_keep)
-        logits = self.token_logits(outputs.last_hidden_state, scored, logits_to_keep)
+        logits = self.lm_head(slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep))
         model_outputs = dict(
             past_key_values=outputs.past_key_values, hidden_states=outputs.hidden_states, attentions=outputs.attentions
         )
         if self.config.num_experts == 0:
-            loss = self.token_loss(logits, targets, scored, **kwargs)
-            return CausalLMOutputWithPast(
-                loss=loss, logits=returned_logits(logits, scored, skip_logits), **model_outputs
-            )
+            loss = self.token_loss(logits, targets, **kwargs)
+            return CausalLMOutputWithPast(loss=loss, logits=None if skip_logits else logits, **model_outputs)
 
         # Mixture of Experts: see VanillaTransformerForConditionalGeneration.
         tokens = current_tokens(attention_mask, outputs.last_hidden_state.shape[1])
-        routed = tokens if token_mask is None else token_mask
-        router_losses = router.losses(self.config, decoder=(outputs.router_logits, routed, tokens))
+        router_losses = router.losses(self.config, decoder=(outputs.router_logits, tokens))
         logits = with_router_gradient(logits, router_losses)
-        loss = self.token_loss(logits, targets, scored, **kwargs)
+        loss = self.token_loss(logits, targets, **kwargs)
         return MoeCausalLMOutput(
             loss=with_router_value(loss, router_losses),
-            logits=returned_logits(logits, scored, skip_logits),
-            router_logits=router.returned(outputs.router_logits, routed),
+            logits=None if skip_logits else logits,
+            router_logits=router.returned(outputs.router_logits),
             aux_loss=router_losses.aux["decoder"] if router.report else None,
             z_loss=router_losses.z["decoder"] if router.report else None,
             **model_outputs,
@@ -370,7 +335,6 @@ class VanillaTransformerForMaskedLM(LanguageModelingHead):
         check_token_labels(labels, self.config.vocab_size, first_given(input_ids, inputs_embeds), "input_ids")
         check_skip_logits(skip_logits, labels)
         router = RouterRequest.of(self.config, labels, output_router_logits)
-        # A masked position reads the tokens on both sides: the encoder computes every real token.
         outputs = self.model(
             return_dict=True,  # the head reads fields; its own return_dict applies to its output
             input_ids=input_ids,
@@ -379,18 +343,17 @@ class VanillaTransformerForMaskedLM(LanguageModelingHead):
             output_router_logits=router.compute,
             **kwargs,
         )
-        scored = self.scored_positions(labels, logits_to_keep)
-        logits = self.token_logits(outputs.last_hidden_state, scored, logits_to_keep)
+        logits = self.lm_head(slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep))
         if self.config.num_experts:  # the router losses join the gradient (see the seq2seq head); not reported here
-            tokens = token_mask_of(attention_mask)
-            router_losses = router.losses(self.config, encoder=(outputs.router_logits, tokens, tokens))
+            tokens = current_tokens(attention_mask, logits.shape[1])
+            router_losses = router.losses(self.config, encoder=(outputs.router_logits, tokens))
             logits = with_router_gradient(logits, router_losses)
-        loss = self.token_loss(logits, labels, scored, **kwargs)
+        loss = self.token_loss(logits, labels, **kwargs)
         if self.config.num_experts:
             loss = with_router_value(loss, router_losses)
         return MaskedLMOutput(
             loss=loss,
-            logits=returned_logits(logits, scored, skip_logits),
+            logits=None if skip_logits else logits,
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
         )

@@ -1,9 +1,8 @@
 """The layers of the Transformer (§3.1-3.3): multi-head attention, the FFN or Mixture-of-Experts sub-layer, and the
 encoder and decoder layers that wrap each sub-layer in dropout, residual and norm.
 
-Attention goes through transformers' attention interface (eager, sdpa, flash, flex); the Mixture of Experts block is
-in moe_vanilla_transformer. A layer's input may be packed, (tokens, d_model), by its stack
-(packing_vanilla_transformer): only attention scatters back to (batch, length).
+Attention goes through transformers' attention interface (eager, sdpa, flash, flex), or over the sequences of a
+flattened batch (packing_vanilla_transformer); the Mixture of Experts block is in moe_vanilla_transformer.
 """
 
 from collections.abc import Callable
@@ -23,24 +22,22 @@ from .configuration_vanilla_transformer import Stack, VanillaTransformerConfig
 from .feed_forward_vanilla_transformer import build_feed_forward
 from .moe_vanilla_transformer import VanillaTransformerSparseMoeBlock
 from .norms_vanilla_transformer import SublayerConnection, deepnorm_constants, set_deepnorm_init_gains
-from .packing_vanilla_transformer import PackedTokens
+from .packing_vanilla_transformer import VARLEN_IMPLEMENTATIONS, packed_attention
 
 # The longest sequence at which PyTorch's math SDPA kernel is the faster one for bfloat16/float16 training on a CPU.
 SHORT_SEQUENCE_ON_CPU = 128
 
 
-def attention_backend(attn_implementation: str, query: torch.Tensor, key: torch.Tensor):
-    """The SDPA kernel for this call. Training in bfloat16 or float16 on a CPU, PyTorch's flash kernel (SDPA's
-    choice there) is slower than its math kernel at short sequences: forward and backward of (B, 8, L, 64), B*L = 4096,
-    take 2.7-2.9x as long at L = 16, 1.5x at 64, 1.3-1.5x at 128 and 0.6x at 256 (torch 2.13, AMD EPYC, 2 threads;
-    benchmarks/cpu_attention_kernels.py). In float32 the two are within 30 % of each other up to 128 tokens, and
-    without gradients the flash kernel is as fast. So short sequences take the math kernel in reduced precision."""
+def attention_backend(attn_implementation: str, query: torch.Tensor, longest: int):
+    """The SDPA kernel for this call: PyTorch's math kernel when training in bfloat16 or float16 on a CPU at short
+    sequences, where its flash kernel (SDPA's choice there) is the slower one, up to 2.9x at 16 tokens (measured in
+    docs/benchmarks.md, "CPU attention kernels"); SDPA's own choice everywhere else."""
     if (
         attn_implementation == "sdpa"
         and query.device.type == "cpu"
         and query.dtype in (torch.bfloat16, torch.float16)
         and torch.is_grad_enabled()
-        and max(query.shape[-2], key.shape[-2]) <= SHORT_SEQUENCE_ON_CPU
+        and longest <= SHORT_SEQUENCE_ON_CPU
     ):
         return sdpa_kernel(SDPBackend.MATH)
     return nullcontext()
@@ -50,8 +47,8 @@ class VanillaTransformerAttention(nn.Module):
     """Multi-head scaled dot-product attention (§3.2), with grouped K/V heads when `num_key_value_heads` is set.
 
     Self-attention reads keys and values from its own input; cross-attention (`is_cross_attention`) from
-    `key_value_states`, the encoder output (§3.2.3). Packed inputs, (tokens, d_model), are scattered back to
-    (batch, length) after their projections, for the score matrix only.
+    `key_value_states`, the encoder output (§3.2.3). A flattened batch (`cu_seq_lens_*` in the keyword arguments)
+    attends within each of its sequences (packing_vanilla_transformer).
     """
 
     def __init__(
@@ -78,10 +75,8 @@ class VanillaTransformerAttention(nn.Module):
         self.v_proj = nn.Linear(config.d_model, num_key_value_heads * self.head_dim, bias=config.use_bias)
         self.out_proj = nn.Linear(num_heads * self.head_dim, config.d_model, bias=config.use_bias)
 
-    def _split_heads(self, projected: torch.Tensor, packed_tokens: PackedTokens | None) -> torch.Tensor:
-        """(batch, heads, length, head_dim); packed projections (tokens, ·) are scattered to (batch, length, ·)."""
-        if projected.dim() == 2:
-            projected = packed_tokens.unpack(projected)
+    def split_heads(self, projected: torch.Tensor) -> torch.Tensor:
+        """(batch, length, heads * head_dim) -> (batch, heads, length, head_dim)."""
         return projected.view(*projected.shape[:-1], -1, self.head_dim).transpose(1, 2)
 
     def forward(
@@ -91,13 +86,9 @@ class VanillaTransformerAttention(nn.Module):
         key_value_states: torch.Tensor | None = None,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         past_key_values: Cache | None = None,
-        packed_tokens: PackedTokens | None = None,
-        encoder_packed_tokens: PackedTokens | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`packed_tokens`: the layout of packed `hidden_states`; `encoder_packed_tokens`: that of packed
-        `key_value_states` (cross-attention)."""
-        query = self._split_heads(self.q_proj(hidden_states), packed_tokens)
+        query = self.split_heads(self.q_proj(hidden_states))
 
         cache, cross_cached = past_key_values, False
         if isinstance(past_key_values, EncoderDecoderCache):
@@ -111,11 +102,8 @@ class VanillaTransformerAttention(nn.Module):
         if cross_cached:  # the encoder output does not change while decoding: its K/V are projected once
             key, value = cache.layers[self.layer_idx].keys, cache.layers[self.layer_idx].values
         else:
-            source, source_tokens = (
-                (key_value_states, encoder_packed_tokens) if self.is_cross_attention else (hidden_states, packed_tokens)
-            )
-            key = self._split_heads(self.k_proj(source), source_tokens)
-            value = self._split_heads(self.v_proj(source), source_tokens)
+            source = key_value_states if self.is_cross_attention else hidden_states
+            key, value = self.split_heads(self.k_proj(source)), self.split_heads(self.v_proj(source))
             if position_embeddings is not None:  # RoPE: rotate before caching, so cached keys keep their positions
                 query, key = apply_rotary_pos_emb(query, key, *position_embeddings)
             if cache is not None:
@@ -125,7 +113,10 @@ class VanillaTransformerAttention(nn.Module):
 
         implementation = self.config._attn_implementation
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
-        with attention_backend(implementation, query, key):
+        if kwargs.get("cu_seq_lens_q") is not None and implementation not in VARLEN_IMPLEMENTATIONS:
+            attention_interface = packed_attention
+        longest = max(kwargs.get("max_length_q", query.shape[-2]), kwargs.get("max_length_k", key.shape[-2]))
+        with attention_backend(implementation, query, longest):
             attn_output, attn_weights = attention_interface(
                 self,
                 query,
@@ -136,8 +127,7 @@ class VanillaTransformerAttention(nn.Module):
                 scaling=self.scaling,
                 **kwargs,
             )
-        attn_output = attn_output.reshape(*attn_output.shape[:2], -1)
-        attn_output = packed_tokens.pack(attn_output) if hidden_states.dim() == 2 else attn_output.contiguous()
+        attn_output = attn_output.reshape(*attn_output.shape[:2], -1).contiguous()
         return self.out_proj(attn_output), attn_weights
 
 
@@ -184,10 +174,12 @@ class VanillaTransformerLayer(GradientCheckpointingLayer):
         encoder_hidden_states: torch.Tensor | None = None,
         encoder_attention_mask: torch.Tensor | None = None,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        cross_attention_layout: dict | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> torch.Tensor:
-        """`kwargs` reach both attentions: the decoder's cache (`past_key_values`), the token layouts
-        (`packed_tokens`, `encoder_packed_tokens`) and transformers' attention options."""
+        """`kwargs` reach both attentions: the decoder's cache (`past_key_values`), transformers' attention options
+        and, for a flattened batch, the self-attention's sequences (`cu_seq_lens_*`); cross-attention reads its
+        queries' and keys' sequences from `cross_attention_layout` instead."""
         # Self-attention (§3.2.3): over the whole source in the encoder; in the decoder `attention_mask` is causal,
         # position i sees positions <= i only.
         attention_input = self.self_attn_connection.sublayer_input(hidden_states)
@@ -200,12 +192,15 @@ class VanillaTransformerLayer(GradientCheckpointingLayer):
         if encoder_hidden_states is not None:
             attention_input = self.encoder_attn_connection.sublayer_input(hidden_states)
             attention_output, _ = self.encoder_attn(
-                attention_input, encoder_attention_mask, key_value_states=encoder_hidden_states, **kwargs
+                attention_input,
+                encoder_attention_mask,
+                key_value_states=encoder_hidden_states,
+                **{**kwargs, **(cross_attention_layout or {})},
             )
             hidden_states = self.encoder_attn_connection.add_residual(hidden_states, attention_output)
 
         # Position-wise feed-forward network, or Mixture of Experts (§3.3).
-        mlp_output = self.mlp(self.mlp_connection.sublayer_input(hidden_states), **kwargs)
+        mlp_output = self.mlp(self.mlp_connection.sublayer_input(hidden_states))
         return self.mlp_connection.add_residual(hidden_states, mlp_output)
 
 

@@ -21,6 +21,7 @@ from .configuration_vanilla_transformer import GATED_FFN_TYPES
 TEMPLATE_PATH = Path(__file__).with_name("model_card_template.md")
 PLACEHOLDER_REPO_ID = "<user>/<model>"
 
+
 def head_name(model_or_config: PreTrainedModel | PreTrainedConfig) -> str:
     """The head class a card describes: the model's class, else the config's `architectures`, else inferred."""
     if isinstance(model_or_config, PreTrainedModel):

@@ -2,9 +2,10 @@
 
 Section numbers in comments refer to the paper. Here: the stacks (embeddings, positions, N layers, final norm), the
 encoder-decoder base model and the weight init; the layers themselves are in layers_vanilla_transformer. Masks come
-from `transformers.masking_utils`; the decoder cache is an `EncoderDecoderCache`. A stack packs the hidden states of
-its tokens once, on entry, when its batch is padded (packing_vanilla_transformer): the layers below then see
-(tokens, d_model) and only attention scatters back to (batch, length).
+from `transformers.masking_utils`; the decoder cache is an `EncoderDecoderCache`. A batch comes padded, (batch,
+length) with an attention mask, or flattened with the offsets of its sequences (packing_vanilla_transformer), in
+which case no mask is built and attention runs per sequence. Nothing here reads a tensor's values on the host: a
+step runs without waiting for the device.
 """
 
 import importlib
@@ -27,7 +28,7 @@ from transformers.modeling_outputs import (
 )
 from transformers.modeling_utils import PreTrainedModel
 from transformers.processing_utils import Unpack
-from transformers.utils import TransformersKwargs, can_return_tuple, is_torchdynamo_compiling
+from transformers.utils import TransformersKwargs, can_return_tuple
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
@@ -35,11 +36,12 @@ from .auto_vanilla_transformer import HEADS, auto_map
 from .configuration_vanilla_transformer import VanillaTransformerConfig
 from .dropout_vanilla_transformer import Dropout
 from .inputs_vanilla_transformer import (
-    check_attention_mask,
     check_inputs_embeds,
     check_position_ids,
     check_same_batch,
     check_stack_inputs,
+    checked_attention_mask,
+    raises_value_error,
 )
 from .layers_vanilla_transformer import (
     VanillaTransformerAttention,
@@ -55,38 +57,26 @@ from .moe_vanilla_transformer import (
     init_moe_weights,
 )
 from .norms_vanilla_transformer import build_norm, has_final_norm
-from .packing_vanilla_transformer import PackedTokens, token_mask_of
-from .positions_vanilla_transformer import POSITION_EMBEDDINGS
+from .packing_vanilla_transformer import Sequences, attention_layout
+from .positions_vanilla_transformer import POSITION_EMBEDDINGS, SinusoidalPositionalEmbedding
 
 # The from_pretrained arguments that say where a checkpoint is, to read its config before choosing the class.
 HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder", "trust_remote_code")
 
 
-def checked_token_mask(
-    mask: torch.Tensor | None, batch_size: int, query_length: int, key_length: int, name: str, cached: bool = False
-) -> torch.Tensor | None:
-    """`token_mask_of(mask)`, after checking the mask (see `check_attention_mask`)."""
-    check_attention_mask(mask, batch_size, query_length, key_length, name, cached)
-    return token_mask_of(mask)
-
-
 class ScaledWordEmbedding(nn.Embedding):
-    """Token embedding multiplied by sqrt(d_model) (§3.4), rejecting ids outside the vocabulary."""
+    """Token embedding multiplied by sqrt(d_model) (§3.4), refusing ids outside the vocabulary (on a GPU an
+    out-of-bounds read would otherwise be silent, on a CPU an opaque IndexError)."""
 
     def __init__(self, config: VanillaTransformerConfig):
         super().__init__(config.vocab_size, config.d_model, padding_idx=config.pad_token_id)
         self.embed_scale = config.d_model**0.5 if config.scale_embedding else 1.0
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        # One fused comparison and one host sync: cheap next to a decoder step, and the alternative is a silent
-        # out-of-bounds read on GPU or an opaque IndexError on CPU.
-        if not is_torchdynamo_compiling() and bool(((input_ids < 0) | (input_ids >= self.num_embeddings)).any()):
-            bad = input_ids[(input_ids < 0) | (input_ids >= self.num_embeddings)]
-            raise ValueError(
-                f"Token id {int(bad[0])} is outside the vocabulary: "
-                f"ids must be in [0, vocab_size={self.num_embeddings})."
-            )
-        return super().forward(input_ids) * self.embed_scale
+        # The lookup checks the ids itself, at no cost: on an accelerator its kernel asserts on the device, on a CPU it
+        # raises here (an IndexError that names nothing, replaced).
+        with raises_value_error(IndexError, f"Token ids must be in [0, vocab_size={self.num_embeddings})"):
+            return super().forward(input_ids) * self.embed_scale
 
 
 class VanillaTransformerPreTrainedModel(PreTrainedModel):
@@ -151,6 +141,8 @@ class VanillaTransformerPreTrainedModel(PreTrainedModel):
             init.normal_(module.weight, std=self.config.initializer_range if normal else self.config.d_model**-0.5)
             if module.padding_idx is not None and not getattr(module.weight, "_is_hf_initialized", False):
                 init.zeros_(module.weight[module.padding_idx])
+        elif isinstance(module, SinusoidalPositionalEmbedding):  # a buffer, not saved
+            init.copy_(module.table, module.encoding(torch.arange(len(module.table))))
         elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
             init.ones_(module.weight)
             if getattr(module, "bias", None) is not None:
@@ -242,7 +234,7 @@ def check_parallelism(model: VanillaTransformerPreTrainedModel, distributed_conf
 
 class VanillaTransformerStack(VanillaTransformerPreTrainedModel):
     """What the encoder and decoder share (§3.1): scaled token embeddings, positions, dropout on their sum (§5.4), N
-    identical layers and, for the pre-norm placements, a final norm; and the layout of their tokens."""
+    identical layers and, for the pre-norm placements, a final norm."""
 
     def __init__(self, config: VanillaTransformerConfig, layer_class: type[nn.Module], num_layers: int, num_heads: int):
         super().__init__(config)
@@ -258,18 +250,20 @@ class VanillaTransformerStack(VanillaTransformerPreTrainedModel):
         input_ids: torch.LongTensor | None,
         inputs_embeds: torch.Tensor | None,
         position_ids: torch.LongTensor | None,
-        past_length: int = 0,
+        sequences: Sequences | None,
+        past_length: int | torch.Tensor = 0,
     ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
-        """(token embeddings, the layers' input, the RoPE table or None); positions continue after the cache."""
+        """(token embeddings, the layers' input, the RoPE table or None). Positions continue after the cache, or
+        restart at each sequence of a flattened batch."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError(f"Pass exactly one of input_ids or inputs_embeds to the {type(self).__name__}.")
         check_stack_inputs(input_ids, inputs_embeds, self.config.d_model, self.argument_prefix)
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         check_position_ids(position_ids, *inputs_embeds.shape[:2])
-        if position_ids is None:
-            position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_length
-        hidden_states, rotary = self.embed_positions(inputs_embeds, position_ids)
+        if position_ids is None and sequences is not None:
+            position_ids = sequences.positions(inputs_embeds.shape[1])
+        hidden_states, rotary = self.embed_positions(inputs_embeds, position_ids, past_length)
         if self.first_layer_run > 0:  # a later pipeline rank: `inputs_embeds` is the previous rank's output
             return inputs_embeds, inputs_embeds, rotary
         return inputs_embeds, self.dropout(hidden_states), rotary
@@ -284,7 +278,7 @@ class VanillaTransformerStack(VanillaTransformerPreTrainedModel):
     @property
     def runs_last_layer(self) -> bool:
         """False on the ranks of a pipeline before the last, whose output goes on to the next rank's layers."""
-        return not self.layers or not isinstance(self.layers[-1], PipelineIdentityLayer)
+        return len(self.layers) == 0 or not isinstance(self.layers[-1], PipelineIdentityLayer)
 
     @property
     def argument_prefix(self) -> str:
@@ -295,35 +289,14 @@ class VanillaTransformerStack(VanillaTransformerPreTrainedModel):
     def final_norm(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.layer_norm(hidden_states) if self.layer_norm is not None and self.runs_last_layer else hidden_states
 
-    @staticmethod
-    def token_layout(token_mask: torch.Tensor | None) -> PackedTokens | None:
-        """Where the tokens of `token_mask` are; None when there is no padding to skip, and under torch.compile,
-        which cannot trace the data-dependent token count."""
-        return None if is_torchdynamo_compiling() else PackedTokens.of(token_mask)
 
-    def layers_input(
-        self, hidden_states: torch.Tensor, packed_tokens: PackedTokens | None, kwargs: dict
-    ) -> torch.Tensor:
-        """`hidden_states` as the layers read them: packed, (tokens, d_model), with `config.padding_free` where there
-        is padding to skip; not when every layer's hidden states are returned, since those keep the (batch, length)
-        shape. MoE layers pack for their experts either way."""
-        output_hidden_states = kwargs.get("output_hidden_states", self.config.output_hidden_states)
-        if packed_tokens is None or not self.config.padding_free or output_hidden_states:
-            return hidden_states
-        return packed_tokens.pack(hidden_states)
-
-    def padded_output(
-        self, hidden_states: torch.Tensor, packed_tokens: PackedTokens | None, token_mask: torch.Tensor | None
-    ) -> torch.Tensor:
-        """The stack's output in the (batch, length, d_model) layout its caller expects, 0 at the positions outside
-        `token_mask` (padding): the same values whether the layers ran packed or not (padding_free=False,
-        torch.compile, torch.export), so that every path can be compared with every other."""
-        if hidden_states.dim() == 2:
-            return packed_tokens.unpack(hidden_states)
-        # Padding exists where a layout was built, or may exist where none could be (while compiling).
-        if token_mask is None or (packed_tokens is None and not is_torchdynamo_compiling()):
-            return hidden_states
-        return hidden_states * token_mask.unsqueeze(-1).to(hidden_states.dtype)
+def pop_sequences(kwargs: dict) -> tuple[Sequences | None, Sequences | None]:
+    """The sequences of a flattened batch, (targets or a single stack's: "q", sources: "k"), taken out of the keyword
+    arguments so that each attention is given its own (`attention_layout`)."""
+    sequences = Sequences.of(kwargs, "q"), Sequences.of(kwargs, "k")
+    for name in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"):
+        kwargs.pop(name, None)
+    return sequences
 
 
 class VanillaTransformerEncoder(VanillaTransformerStack):
@@ -337,6 +310,7 @@ class VanillaTransformerEncoder(VanillaTransformerStack):
 
     def __init__(self, config: VanillaTransformerConfig):
         super().__init__(config, VanillaTransformerEncoderLayer, config.encoder_layers, config.encoder_attention_heads)
+        self.output_class = MoeEncoderOutput if config.num_experts else BaseModelOutput
         self.post_init()
 
     @merge_with_config_defaults
@@ -347,28 +321,24 @@ class VanillaTransformerEncoder(VanillaTransformerStack):
         attention_mask: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        packed_tokens: PackedTokens | None = None,
         **kwargs: Unpack[TransformersKwargs],
-    ) -> BaseModelOutput:  # MoeEncoderOutput, which adds the router logits of its MoE layers
-        r"""
-        packed_tokens (`PackedTokens`, *optional*):
-            The layout of the source tokens, when the caller has built it from `attention_mask` already (the
-            encoder-decoder shares it with cross-attention); by default the encoder builds it.
-        """
-        inputs_embeds, hidden_states, rotary = self.embed(input_ids, inputs_embeds, position_ids)
+    ) -> BaseModelOutput:  # MoeEncoderOutput with experts, which adds the router logits of its MoE layers
+        # The encoder's sequences are the sources: the keys' side of cross-attention, and a single stack's own.
+        sources = pop_sequences(kwargs)[1]
+        inputs_embeds, hidden_states, rotary = self.embed(input_ids, inputs_embeds, position_ids, sources)
         batch_size, length = inputs_embeds.shape[:2]
-        token_mask = checked_token_mask(attention_mask, batch_size, length, length, "attention_mask")
-        packed_tokens = packed_tokens or self.token_layout(token_mask)
-        hidden_states = self.layers_input(hidden_states, packed_tokens, kwargs)
-        attention_mask = create_bidirectional_mask(
-            config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask
-        )
-        for layer in self.layers:
-            hidden_states = layer(
-                hidden_states, attention_mask, position_embeddings=rotary, packed_tokens=packed_tokens, **kwargs
+        attention_mask = checked_attention_mask(attention_mask, batch_size, length, length, "attention_mask")
+        if sources is None:
+            attention_mask = create_bidirectional_mask(
+                config=self.config,
+                inputs_embeds=inputs_embeds,
+                attention_mask=attention_mask,
+                allow_is_bidirectional_skip=attention_mask is None,  # deciding it from the mask's values would sync
             )
-        hidden_states = self.final_norm(hidden_states)
-        return MoeEncoderOutput(last_hidden_state=self.padded_output(hidden_states, packed_tokens, token_mask))
+        layout = attention_layout(sources, sources)
+        for layer in self.layers:
+            hidden_states = layer(hidden_states, attention_mask, position_embeddings=rotary, **layout, **kwargs)
+        return self.output_class(last_hidden_state=self.final_norm(hidden_states))
 
 
 class VanillaTransformerDecoder(VanillaTransformerStack):
@@ -383,6 +353,7 @@ class VanillaTransformerDecoder(VanillaTransformerStack):
 
     def __init__(self, config: VanillaTransformerConfig):
         super().__init__(config, VanillaTransformerDecoderLayer, config.decoder_layers, config.decoder_attention_heads)
+        self.output_class = MoeDecoderOutput if config.num_experts else BaseModelOutputWithPastAndCrossAttentions
         self.post_init()
 
     def new_cache(self) -> Cache:
@@ -402,67 +373,52 @@ class VanillaTransformerDecoder(VanillaTransformerStack):
         inputs_embeds: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
         use_cache: bool | None = None,
-        token_mask: torch.Tensor | None = None,
-        encoder_packed_tokens: PackedTokens | None = None,
         **kwargs: Unpack[TransformersKwargs],
-    ) -> BaseModelOutputWithPastAndCrossAttentions:  # MoeDecoderOutput, which adds the router logits
-        r"""
-        token_mask (`torch.Tensor` of shape `(batch_size, length)`, *optional*):
-            The positions whose outputs the caller needs (default: the tokens of `attention_mask`); a head with
-            labels narrows it to the positions its loss reads (`positions_the_loss_needs`).
-        encoder_packed_tokens (`PackedTokens`, *optional*):
-            The layout of the source tokens, when the caller has it already; by default it is built from
-            `encoder_attention_mask` while the cross-attention keys and values are not cached.
-        """
-        cached = past_key_values is not None  # a given cache may be longer than its content (static)
-        if use_cache and past_key_values is None:
+    ) -> BaseModelOutputWithPastAndCrossAttentions:  # MoeDecoderOutput with experts, which adds the router logits
+        targets, sources = pop_sequences(kwargs)
+        if use_cache and past_key_values is None and targets is None:  # a flattened batch is a training batch
             past_key_values = self.new_cache()
         first_layer = self.first_layer_run  # whose cache holds the decoded length
         past_length = past_key_values.get_seq_length(first_layer) if past_key_values is not None else 0
-        inputs_embeds, hidden_states, rotary = self.embed(input_ids, inputs_embeds, position_ids, past_length)
+        inputs_embeds, hidden_states, rotary = self.embed(input_ids, inputs_embeds, position_ids, targets, past_length)
         batch_size, length = inputs_embeds.shape[:2]
-        mask_name = f"{self.argument_prefix}attention_mask"
-        padding_mask = checked_token_mask(attention_mask, batch_size, length, past_length + length, mask_name, cached)
-        if token_mask is None and padding_mask is not None:  # the mask also covers the cache: this step's columns
-            token_mask = padding_mask[:, past_length:]
-        packed_tokens = self.token_layout(token_mask)
-        hidden_states = self.layers_input(hidden_states, packed_tokens, kwargs)
         self_attention_cache = (
             past_key_values.self_attention_cache
             if isinstance(past_key_values, EncoderDecoderCache)
             else past_key_values
         )
-        # position_ids let transformers find packed sequences (restarting at 0) and keep each one to itself, which it
-        # does only without a cache; a dynamic cache this forward starts empty changes nothing else in the mask. (The
-        # type is tested first: a compiled step reads a static cache's length as a tensor.)
-        starts_dynamic_cache = type(self_attention_cache) is DynamicCache and past_length == 0
-        attention_mask = create_causal_mask(
-            config=self.config,
-            inputs_embeds=inputs_embeds,
-            attention_mask=attention_mask,
-            past_key_values=None if starts_dynamic_cache else self_attention_cache,
-            position_ids=position_ids,
-            layer_idx=first_layer,
-        )
+        # A static (compileable) cache's masks span the whole cache, whatever has been decoded.
+        static_cache = self_attention_cache is not None and self_attention_cache.is_compileable
+        key_length = None if static_cache else past_length + length
+        mask_name = f"{self.argument_prefix}attention_mask"
+        attention_mask = checked_attention_mask(attention_mask, batch_size, length, key_length, mask_name)
+        if targets is None:
+            attention_mask = create_causal_mask(
+                config=self.config,
+                inputs_embeds=inputs_embeds,
+                attention_mask=attention_mask,
+                past_key_values=self_attention_cache,
+                position_ids=position_ids,  # packed sequences restart at 0 (found only without a mask or a cache)
+                layer_idx=first_layer,
+                allow_is_causal_skip=attention_mask is None,  # deciding it from the mask's values would sync
+            )
         if encoder_hidden_states is not None:
             check_inputs_embeds(encoder_hidden_states, self.config.d_model, "encoder_outputs.last_hidden_state")
             source_batch_size, source_length = encoder_hidden_states.shape[:2]
             check_same_batch(f"{self.argument_prefix}input_ids", batch_size, "the encoder output", source_batch_size)
-            source_mask = checked_token_mask(
-                encoder_attention_mask, batch_size, length, source_length, "attention_mask"
+            # The encoder checked the values of its mask, unless it did not run (given encoder outputs): see
+            # VanillaTransformerModel.forward.
+            encoder_attention_mask = checked_attention_mask(
+                encoder_attention_mask, batch_size, length, source_length, "attention_mask", check_values=False
             )
-            # Once cached, the cross-attention keys and values need no encoder states: nothing to pack per step.
-            cross_cached = isinstance(past_key_values, EncoderDecoderCache) and any(past_key_values.is_updated.values())
-            if encoder_packed_tokens is None and not cross_cached:
-                encoder_packed_tokens = self.token_layout(source_mask)
-            encoder_attention_mask = create_bidirectional_mask(
-                config=self.config,
-                inputs_embeds=inputs_embeds,
-                attention_mask=encoder_attention_mask,
-                encoder_hidden_states=encoder_hidden_states,
-            )
-            if not cross_cached:
-                encoder_hidden_states = self.layers_input(encoder_hidden_states, encoder_packed_tokens, kwargs)
+            if sources is None:
+                encoder_attention_mask = create_bidirectional_mask(
+                    config=self.config,
+                    inputs_embeds=inputs_embeds,
+                    attention_mask=encoder_attention_mask,
+                    encoder_hidden_states=encoder_hidden_states,
+                    allow_is_bidirectional_skip=encoder_attention_mask is None,
+                )
         for layer in self.layers:
             hidden_states = layer(
                 hidden_states,
@@ -471,15 +427,11 @@ class VanillaTransformerDecoder(VanillaTransformerStack):
                 encoder_attention_mask=encoder_attention_mask,
                 position_embeddings=rotary,
                 past_key_values=past_key_values,
-                packed_tokens=packed_tokens,
-                encoder_packed_tokens=encoder_packed_tokens,
+                cross_attention_layout=attention_layout(targets, sources),
+                **attention_layout(targets, targets),
                 **kwargs,
             )
-        hidden_states = self.final_norm(hidden_states)
-        return MoeDecoderOutput(
-            last_hidden_state=self.padded_output(hidden_states, packed_tokens, token_mask),
-            past_key_values=past_key_values,
-        )
+        return self.output_class(last_hidden_state=self.final_norm(hidden_states), past_key_values=past_key_values)
 
 
 def base_model_class(config: VanillaTransformerConfig) -> type[VanillaTransformerPreTrainedModel]:
@@ -558,30 +510,37 @@ class VanillaTransformerModel(VanillaTransformerPreTrainedModel):
         past_key_values: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         decoder_inputs_embeds: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        decoder_position_ids: torch.LongTensor | None = None,
         use_cache: bool | None = None,
-        decoder_token_mask: torch.Tensor | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> Seq2SeqModelOutput:  # Seq2SeqMoEModelOutput with experts
         r"""
-        decoder_token_mask (`torch.Tensor` of shape `(batch_size, target_length)`, *optional*):
-            The decoder's `token_mask`: the target positions whose outputs are needed.
+        decoder_position_ids (`torch.LongTensor` of shape `(batch_size, target_length)`, *optional*):
+            The target positions (default: 0, 1, ... after the cache; in a flattened batch, restarting at each
+            sequence).
+
+        A flattened batch (`DataCollatorForSeq2SeqWithFlattening`) gives the offsets of its target sequences as
+        `cu_seq_lens_q`/`max_length_q` and of its source sequences as `cu_seq_lens_k`/`max_length_k`.
         """
-        source_tokens = None  # the layout of the source tokens, built once for the encoder and cross-attention
         # Router logits describe the layers that run in this call: those of given encoder outputs (generate passes
         # them at every step, not expanded to the beams) are not returned.
         encoder_runs = encoder_outputs is None
         if encoder_runs:
-            source_tokens = self.encoder.token_layout(attention_mask)  # the encoder checks the mask's shape
             encoder_outputs = self.encoder(
                 return_dict=True,  # fields are read below; return_dict applies to this model's output
                 input_ids=input_ids,
                 attention_mask=attention_mask,
                 inputs_embeds=inputs_embeds,
-                packed_tokens=source_tokens,
+                position_ids=position_ids,
                 **kwargs,
             )
-        elif not isinstance(encoder_outputs, BaseModelOutput):
-            encoder_outputs = BaseModelOutput(*encoder_outputs)
+        else:
+            if not isinstance(encoder_outputs, BaseModelOutput):
+                encoder_outputs = BaseModelOutput(*encoder_outputs)
+            if attention_mask is not None and attention_mask.dim() == 2:  # the encoder did not check its values
+                batch_size, source_length = encoder_outputs.last_hidden_state.shape[:2]
+                checked_attention_mask(attention_mask, batch_size, source_length, source_length, "attention_mask")
         decoder_outputs = self.decoder(
             return_dict=True,
             input_ids=decoder_input_ids,
@@ -590,9 +549,8 @@ class VanillaTransformerModel(VanillaTransformerPreTrainedModel):
             encoder_attention_mask=attention_mask,
             past_key_values=past_key_values,
             inputs_embeds=decoder_inputs_embeds,
+            position_ids=decoder_position_ids,
             use_cache=use_cache,
-            token_mask=decoder_token_mask,
-            encoder_packed_tokens=source_tokens,
             **kwargs,
         )
         outputs = dict(

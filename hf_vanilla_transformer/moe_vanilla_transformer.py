@@ -24,12 +24,10 @@ from transformers.modeling_outputs import (
     BaseModelOutputWithPastAndCrossAttentions,
     MoeCausalLMOutputWithPast,
 )
-from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
 from .configuration_vanilla_transformer import GATED_FFN_TYPES, VanillaTransformerConfig
 from .dropout_vanilla_transformer import Dropout
 from .feed_forward_vanilla_transformer import ffn_activation
-from .packing_vanilla_transformer import PackedTokens
 
 
 class VanillaTransformerRouter(nn.Module):
@@ -168,7 +166,7 @@ SORTED_GROUPED_MM = "sorted_grouped_mm"
 def sorted_grouped_mm_experts_forward(
     experts: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
-    """"sorted_grouped_mm": transformers' `grouped_mm_experts_forward` (the (token, expert) assignments sorted by
+    """ "sorted_grouped_mm": transformers' `grouped_mm_experts_forward` (the (token, expert) assignments sorted by
     expert, one grouped matmul per projection through the same `_grouped_linear` kernel dispatch) with fewer passes
     over the (tokens * k, H) rows around the matmuls, and a looped kernel for the shapes torch's grouped_mm refuses.
 
@@ -281,8 +279,7 @@ class VanillaTransformerSparseMoeBlock(nn.Module):
     """The FFN sub-layer as a Mixture of Experts: `gate` (router), `experts`, and optional `shared_experts`.
 
     Parameter names follow Mixtral (`mlp.gate.weight`, `mlp.experts.gate_up_proj`, `mlp.experts.down_proj`).
-    Routing, capacity and the router statistics concern tokens only: the padded hidden states of a batch whose
-    `packed_tokens` are known are packed for the experts and unpacked after them. With `expert_capacity_factor` set,
+    With `expert_capacity_factor` set,
     `dropped_tokens` holds the number of (token, expert) assignments the last forward dropped for lack of room.
     """
 
@@ -299,11 +296,9 @@ class VanillaTransformerSparseMoeBlock(nn.Module):
         )
         self.dropped_tokens = None
 
-    def forward(self, hidden_states: torch.Tensor, packed_tokens: PackedTokens | None = None, **kwargs) -> torch.Tensor:
-        """(tokens, H) packed hidden states, or (batch, length, H) -> the same shape. `packed_tokens` says which
-        padded rows are tokens; the rest of the layer's keyword arguments concern attention only."""
-        if packed_tokens is not None and hidden_states.dim() == 3:
-            return packed_tokens.unpack(self(packed_tokens.pack(hidden_states)))
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """(batch, length, H) -> the same shape; every position is routed (padding too, as in Mixtral: skipping it
+        would need to find it on the host), and the losses count tokens only."""
         tokens = hidden_states.reshape(-1, hidden_states.shape[-1])
         _, top_k_weights, top_k_index = self.gate(tokens)
         if self.capacity_factor is None:
@@ -362,37 +357,12 @@ def dropped_token_counts(model: nn.Module) -> dict[str, int]:
 # ---------------------------------------------------------------------------------------------------- losses
 
 
-def counted_router_rows(
-    router_logits: tuple[torch.Tensor, ...] | None, routed: torch.Tensor | None, real: torch.Tensor | None
-) -> torch.Tensor | None:
-    """The mask of the rows of a stack's router logits that the balancing and z losses count: the positions the stack
-    routed (`routed`, None = all) that are real tokens (`real`, None = all), shaped to match those rows.
-
-    A stack that knows where its padding is routes only the `routed` positions, one row each (packed): their mask is
-    then one (1, rows) "sequence". Under torch.compile every position is routed, one row per position."""
-    counted = routed if real is None else real if routed is None else routed & real
-    if not router_logits or counted is None or router_logits[0].shape[0] == counted.numel():
-        return counted
-    return counted[routed].unsqueeze(0)
-
-
-def _token_rows(token_mask: torch.Tensor | None, layer_logits: torch.Tensor) -> torch.Tensor | None:
-    """`token_mask` when it has one entry per row of `layer_logits`, else None (every row counts)."""
-    if token_mask is None or layer_logits.shape[0] != token_mask.numel():
-        return None
-    return token_mask
-
-
-def router_logits_per_position(
-    router_logits: tuple[torch.Tensor, ...] | None, routed: torch.Tensor | None
-) -> tuple[torch.Tensor, ...] | None:
-    """Router logits as returned to the user: (batch * length, E) per layer, Mixtral's layout, 0 at the positions
-    that were not routed. The layers route the `routed` positions only, one row each; this puts the rows back at
-    their positions for callers that pair them with the attention mask (Mixtral's `load_balancing_loss_func`)."""
-    if not router_logits or routed is None or router_logits[0].shape[0] == routed.numel():
-        return router_logits
-    packed_tokens = PackedTokens.of(routed)
-    return tuple(packed_tokens.unpack(layer).flatten(0, 1) for layer in router_logits)
+def counted_rows(token_mask: torch.Tensor | None, layer_logits: torch.Tensor) -> torch.Tensor:
+    """The weight of each row of a layer's router logits in its losses: 1 for a token, 0 for padding (`token_mask`,
+    one entry per row, or None for a batch without padding, such as a flattened one)."""
+    if token_mask is None:
+        return layer_logits.new_ones(layer_logits.shape[0])
+    return token_mask.reshape(-1).to(layer_logits.dtype)
 
 
 def load_balancing_loss(
@@ -400,32 +370,37 @@ def load_balancing_loss(
     config: VanillaTransformerConfig,
     token_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Switch Transformer's auxiliary loss E * sum_e f_e P_e, averaged over one stack's MoE layers, padding excluded.
+    """Switch Transformer's auxiliary loss E * sum_e f_e P_e (eq. 4-6), per layer and averaged over one stack's MoE
+    layers, padding excluded.
 
-    f_e is the fraction of a layer's top-k assignments sent to expert e and P_e its mean router probability
-    (transformers' Mixtral `load_balancing_loss_func`, one layer at a time: given all layers at once it pools f and P
-    over them, which a stack with each layer collapsed onto different experts would satisfy). Perfectly balanced
-    routing gives k, its minimum; sending everything to k experts gives E.
+    f_e is the fraction of the counted tokens that chose expert e among their top k and P_e its mean router
+    probability (transformers' Mixtral `load_balancing_loss_func`, one layer at a time: given all layers at once it
+    pools f and P over them, which a stack with each layer collapsed onto different experts would satisfy). Perfectly
+    balanced routing gives k, its minimum; sending everything to k experts gives E. No token counted: 0.
     """
-    mask = None if not router_logits else _token_rows(token_mask, router_logits[0])
-    # No token counted (all labels ignored): nothing is imbalanced, and Mixtral's function would divide by zero.
-    if not router_logits or router_logits[0].shape[0] == 0 or (mask is not None and not bool(mask.any())):
+    if not router_logits:
         return torch.zeros(())
-    top_k, num_experts = config.num_experts_per_tok, config.num_experts
-    per_layer = [load_balancing_loss_func((layer,), num_experts, top_k, mask) for layer in router_logits]
+    num_experts, top_k = config.num_experts, config.num_experts_per_tok
+    per_layer = []
+    for layer_logits in router_logits:
+        weights = counted_rows(token_mask, layer_logits)
+        probabilities = layer_logits.float().softmax(dim=-1)
+        chosen = probabilities.topk(top_k, dim=-1).indices.reshape(-1)
+        per_choice = weights[:, None].expand(-1, top_k).reshape(-1)
+        count = weights.sum().clamp(min=1.0)
+        fraction = probabilities.new_zeros(num_experts).index_add_(0, chosen, per_choice) / count
+        mean_probability = (probabilities * weights[:, None]).sum(dim=0) / count
+        per_layer.append(num_experts * (fraction * mean_probability).sum())
     return torch.stack(per_layer).mean()
 
 
 def router_z_loss(router_logits: tuple[torch.Tensor, ...] | None, token_mask=None) -> torch.Tensor:
     """ST-MoE's z-loss (Zoph et al. 2022, eq. 5): mean over tokens and layers of logsumexp(logits)^2, padding
     excluded. It keeps router logits small, where the fp32 softmax stays accurate."""
-    if not router_logits or router_logits[0].shape[0] == 0:
+    if not router_logits:
         return torch.zeros(())
     squared = torch.cat([layer.logsumexp(dim=-1) ** 2 for layer in router_logits])
-    mask = _token_rows(token_mask, router_logits[0])
-    if mask is None:
-        return squared.mean()
-    weights = mask.reshape(-1).to(squared).repeat(len(router_logits))
+    weights = torch.cat([counted_rows(token_mask, layer) for layer in router_logits])
     return (squared * weights).sum() / weights.sum().clamp(min=1.0)
 
 
@@ -497,18 +472,14 @@ class RouterRequest:
         report = asked or labels is not None
         return cls(compute=report or torch.is_grad_enabled(), report=report, return_logits=asked)
 
-    def returned(self, router_logits: tuple[torch.Tensor, ...] | None, token_mask: torch.Tensor | None):
-        """The router logits to return (None unless asked for), one row per position (see
-        `router_logits_per_position`)."""
-        return router_logits_per_position(router_logits, token_mask) if self.return_logits else None
+    def returned(self, router_logits: tuple[torch.Tensor, ...] | None):
+        """The router logits to return: each layer's (batch * length, num_experts), None unless asked for."""
+        return router_logits if self.return_logits else None
 
     def losses(self, config: VanillaTransformerConfig, **stacks: tuple) -> RouterLosses | None:
-        """`stacks`: name -> (router logits of its MoE layers, the positions it routed, its padding mask), the masks
-        (batch, length) or None; None when not computed."""
-        if not self.compute:
-            return None
-        counted = {name: (logits, counted_router_rows(logits, *masks)) for name, (logits, *masks) in stacks.items()}
-        return RouterLosses.of_stacks(config, **counted)
+        """`stacks`: name -> (router logits of its MoE layers, the (batch, length) mask of its tokens or None); None
+        when not computed."""
+        return RouterLosses.of_stacks(config, **stacks) if self.compute else None
 
 
 def with_router_gradient(logits: torch.Tensor, router_losses: RouterLosses | None) -> torch.Tensor:
@@ -558,13 +529,11 @@ __all__ = [
     "MoeCausalLMOutput",
     "RouterLosses",
     "attach_router_loss",
-    "counted_router_rows",
     "dropped_token_counts",
     "expert_capacity",
     "gated_activation",
     "grouped_mm_takes",
     "load_balancing_loss",
-    "router_logits_per_position",
     "router_z_loss",
     "sorted_grouped_mm_experts_forward",
     "within_capacity",

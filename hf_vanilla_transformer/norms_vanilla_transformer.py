@@ -38,9 +38,7 @@ def deepnorm_constants(config: VanillaTransformerConfig, stack: Stack) -> tuple[
 DEEPNORM_SCALED_MODULES = ("v_proj", "out_proj", "fc1", "fc2", "gate_proj", "up_proj", "down_proj", "experts")
 
 
-def set_deepnorm_init_gains(
-    layer: nn.Module, config: VanillaTransformerConfig, stack: Stack
-) -> None:
+def set_deepnorm_init_gains(layer: nn.Module, config: VanillaTransformerConfig, stack: Stack) -> None:
     """Store the DeepNet init gain on each linear map and expert bank of `layer` as `deepnorm_gain`, for
     `_init_weights` to apply.
 

@@ -1,71 +1,236 @@
-"""Padding-free layers: the position-wise work of a padded batch done on its real tokens only.
+"""Padding-free batches: the sequences of a batch laid end to end, with their layout known before the model runs.
 
-In a padded batch every linear map, norm, FFN and dropout of every layer also runs on the padding, and so does the
-vocabulary projection in training; HF's encoder-decoders (Marian, Bart, T5) pay for it. Everything but the attention
-scores is position-wise (§3.3), so a stack packs the hidden states of its tokens once, on entry, as (tokens, d_model),
-and each attention scatters only its projected queries, keys and values back into (batch, length) for the score
-matrix. The result at every real position is unchanged: padded keys are masked anyway, and a padded query's row is
-never read. Padded positions of the returned hidden states and logits are 0 instead of values computed from pad
-embeddings.
+In a padded batch every linear map, norm, FFN, dropout and the vocabulary projection also run on the padding. Only
+attention (§3.2) mixes positions, so a batch can instead arrive flattened, (1, total tokens), with the offsets at
+which its sequences start: then every position-wise layer runs on real tokens only, and attention runs per sequence
+over those offsets. Finding the tokens of a padded batch on the device would need `nonzero` (a host-device sync that
+stalls an accelerator's queue), so the layout is built on the CPU, once per batch, by the collator:
 
-The layout travels to the sub-layers through the keyword arguments that already reach transformers' attention
-interface (as its `cu_seq_lens_*` do): `packed_tokens` for the stack's own tokens, `encoder_packed_tokens` for the
-source tokens that cross-attention reads. A tensor of shape (tokens, d_model) is packed; (batch, length, d_model) is
-not.
+- single-stack models take what transformers' `DataCollatorWithFlattening(return_flash_attn_kwargs=True)` gives:
+  `input_ids` (1, total), `position_ids` restarting at 0, `cu_seq_lens_q/k` and `max_length_q/k`;
+- encoder-decoders take `DataCollatorForSeq2SeqWithFlattening` below: the source with `cu_seq_lens_k`/`max_length_k`,
+  the target with `cu_seq_lens_q`/`max_length_q`, as cross-attention reads them (queries from the target, keys from
+  the source); encoder self-attention reads the source offsets, decoder self-attention the target ones.
+
+Attention over packed tokens (`packed_attention`): torch's variable-length flash kernel (`varlen_attn`) on CUDA in
+half precision; elsewhere the packed queries, keys and values are scattered into (sequences, max_length) for SDPA
+and the output gathered back, which gives the same result and keeps the position-wise savings on a CPU.
 """
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.models.llama.modeling_llama import eager_attention_forward
+
+from .inputs_vanilla_transformer import IGNORE_INDEX
+
+try:  # torch >= 2.9; CUDA only
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:
+    varlen_attn = None
+
+# The attention implementations that run packed sequences themselves, from the same keyword arguments.
+VARLEN_IMPLEMENTATIONS = ("flash_attention_2", "flash_attention_3", "flash_attention_4")
 
 
-def token_mask_of(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
-    """The (batch, length) bool mask of the tokens in a 2D padding mask (1 = token); None for no mask or a 4D one
-    (built by the caller: it says nothing about padding). Every use of a padding mask goes through here."""
-    if attention_mask is None or attention_mask.dim() != 2:
-        return None
-    return attention_mask.bool()
+@dataclass(frozen=True)
+class Sequences:
+    """Where the sequences of a flattened batch are: `cu_seq_lens` (sequences + 1,) int32 offsets into its tokens,
+    and the longest one's length, a Python int (a shape, so no sync reads it)."""
 
-
-class PackedTokens:
-    """Where the tokens of a (batch, length) mask are, to pack and unpack per-token tensors."""
-
-    def __init__(self, mask: torch.Tensor):
-        self.batch_size, self.length = mask.shape
-        self.indices = mask.flatten().nonzero().squeeze(1)
+    cu_seq_lens: torch.Tensor
+    max_length: int
 
     @classmethod
-    def of(cls, attention_mask: torch.Tensor | None) -> "PackedTokens | None":
-        """The packing of the tokens of a padding mask (see `token_mask_of`), or None when there is nothing to skip.
-        One position per row (a decoding step) is never worth it, and is left alone without a host sync."""
-        mask = token_mask_of(attention_mask)
-        if mask is None or mask.shape[1] == 1 or bool(mask.all()):
-            return None
-        return cls(mask)
+    def of(cls, kwargs: dict[str, Any], side: str) -> "Sequences | None":
+        """The sequences of one side ("q": the target or a single stack's, "k": the source) given in `kwargs`."""
+        cu_seq_lens = kwargs.get(f"cu_seq_lens_{side}")
+        return None if cu_seq_lens is None else cls(cu_seq_lens, int(kwargs[f"max_length_{side}"]))
 
     @property
-    def num_tokens(self) -> int:
-        return self.indices.shape[0]
+    def lengths(self) -> torch.Tensor:
+        return (self.cu_seq_lens[1:] - self.cu_seq_lens[:-1]).long()
 
-    def pack(self, padded: torch.Tensor) -> torch.Tensor:
-        """(batch, length, ...) -> (tokens, ...)."""
-        return padded.flatten(0, 1).index_select(0, self.indices)
+    def positions(self, num_tokens: int) -> torch.Tensor:
+        """(1, tokens): each token's position in its own sequence, 0 at each start."""
+        tokens = torch.arange(num_tokens, device=self.cu_seq_lens.device)
+        return (tokens - self.cu_seq_lens.long()[self.sequence_of(tokens)])[None]
 
-    def unpack(self, packed: torch.Tensor) -> torch.Tensor:
-        """(tokens, ...) -> (batch, length, ...), zeros at the padding."""
-        padded = packed.new_zeros(self.batch_size * self.length, *packed.shape[1:])
-        padded.index_copy_(0, self.indices, packed)  # in place: the out-of-place op would copy the zeros once more
-        return padded.view(self.batch_size, self.length, *packed.shape[1:])
+    def sequence_of(self, tokens: torch.Tensor) -> torch.Tensor:
+        return torch.searchsorted(self.cu_seq_lens[1:].long(), tokens, right=True)
 
-
-def positions_the_loss_needs(counted: torch.Tensor, token_mask: torch.Tensor | None) -> torch.Tensor:
-    """(batch, length) mask of the positions a causal decoder must compute for a loss that reads its outputs at
-    `counted`: the counted positions, and the real tokens before them (keys and values of the counted ones). The tail
-    after each row's last counted position (the collator's label padding) is read by nothing."""
-    positions = torch.arange(counted.shape[1], device=counted.device)
-    last = torch.where(counted, positions, -1).amax(dim=1, keepdim=True)
-    needed = positions <= last
-    if token_mask is not None:
-        needed &= token_mask.bool() | counted
-    return needed
+    def padded_index(self, num_tokens: int) -> torch.Tensor:
+        """(tokens,): each token's row in the (sequences * max_length) grid of the padded layout."""
+        tokens = torch.arange(num_tokens, device=self.cu_seq_lens.device)
+        sequence = self.sequence_of(tokens)
+        return sequence * self.max_length + tokens - self.cu_seq_lens.long()[sequence]
 
 
-__all__ = ["PackedTokens", "positions_the_loss_needs", "token_mask_of"]
+def attention_layout(queries: Sequences | None, keys: Sequences | None) -> dict[str, Any]:
+    """The keyword arguments that tell an attention call (ours, or transformers' flash-attention integration) the
+    sequences of its queries and keys; none for a padded batch."""
+    if queries is None:
+        return {}
+    return dict(
+        cu_seq_lens_q=queries.cu_seq_lens,
+        cu_seq_lens_k=keys.cu_seq_lens,
+        max_length_q=queries.max_length,
+        max_length_k=keys.max_length,
+    )
+
+
+def packed_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    dropout: float = 0.0,
+    *,
+    cu_seq_lens_q: torch.Tensor,
+    cu_seq_lens_k: torch.Tensor,
+    max_length_q: int,
+    max_length_k: int,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Attention within each sequence of a flattened batch, with transformers' attention-function signature:
+    query (1, heads, tokens, head_dim), key and value (1, kv_heads, tokens, head_dim) -> (1, tokens, heads,
+    head_dim). Causal for a module with `is_causal` (each sequence aligned at its start, as §3.2.3's mask)."""
+    if varlen_attn is not None and query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and not dropout:
+        output = varlen_attn(
+            query[0].transpose(0, 1),
+            key[0].transpose(0, 1),
+            value[0].transpose(0, 1),
+            cu_seq_lens_q,
+            cu_seq_lens_k,
+            max_length_q,
+            max_length_k,
+            scale=scaling,
+            window_size=(-1, 0) if module.is_causal else (-1, -1),
+            enable_gqa=key.shape[1] != query.shape[1],
+        )
+        return output[None], None
+    return padded_attention(
+        module, query, key, value, scaling, dropout, Sequences(cu_seq_lens_q, max_length_q),
+        Sequences(cu_seq_lens_k, max_length_k), **kwargs,
+    )  # fmt: skip
+
+
+def padded_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: float,
+    dropout: float,
+    queries: Sequences,
+    keys: Sequences,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`packed_attention` where no variable-length kernel runs: the packed rows scattered into the padded layout, the
+    padding masked, SDPA (or eager attention, which returns the weights), and the real rows gathered back."""
+    query_index, key_index = queries.padded_index(query.shape[2]), keys.padded_index(key.shape[2])
+    query = scatter_rows(query, query_index, queries)
+    key, value = scatter_rows(key, key_index, keys), scatter_rows(value, key_index, keys)
+    key_positions = torch.arange(keys.max_length, device=query.device)
+    mask = (key_positions < keys.lengths[:, None])[:, None, None, :]
+    if module.is_causal:  # position i of a sequence sees its positions <= i
+        mask = mask & (key_positions <= torch.arange(queries.max_length, device=query.device)[:, None])
+    if module.config._attn_implementation == "eager":
+        additive = torch.zeros(mask.shape, dtype=query.dtype, device=query.device)
+        output, weights = eager_attention_forward(
+            module, query, key, value, additive.masked_fill(~mask, torch.finfo(query.dtype).min), scaling, dropout
+        )
+    else:
+        output, weights = sdpa_attention_forward(module, query, key, value, mask, dropout, scaling, is_causal=False)
+    return output.flatten(0, 1).index_select(0, query_index)[None], weights
+
+
+def scatter_rows(packed: torch.Tensor, index: torch.Tensor, sequences: Sequences) -> torch.Tensor:
+    """(1, heads, tokens, head_dim) -> (sequences, heads, max_length, head_dim), zeros at the padding."""
+    rows = packed[0].transpose(0, 1)
+    padded = rows.new_zeros(len(sequences.cu_seq_lens) - 1, sequences.max_length, *rows.shape[1:])
+    return padded.flatten(0, 1).index_copy(0, index, rows).unflatten(0, padded.shape[:2]).transpose(1, 2)
+
+
+def shift_packed_labels(
+    labels: torch.Tensor, targets: Sequences, pad_token_id: int, decoder_start_token_id: int
+) -> torch.Tensor:
+    """Teacher forcing on a flattened target: each sequence's labels shifted right behind the decoder start token,
+    -100 replaced by the pad token (what `shift_tokens_right` does to each row of a padded batch)."""
+    shifted = labels.roll(1, dims=-1)
+    shifted[:, targets.cu_seq_lens[:-1].long()] = decoder_start_token_id
+    return shifted.masked_fill(shifted == IGNORE_INDEX, pad_token_id)
+
+
+class DataCollatorForSeq2SeqWithFlattening:
+    """Collates translation pairs for a padding-free training step, on the CPU: the sources laid end to end, the
+    targets laid end to end, and their offsets (see the module docstring). Features are dicts with `input_ids` and
+    `labels` (lists or 1-D tensors), as for transformers' `DataCollatorForSeq2Seq`.
+
+    A batch whose sources and targets all have one length has no padding to skip: it is returned in the (batch,
+    length) layout without masks, the layout every attention kernel runs fastest.
+    """
+
+    def __init__(self, model=None, *, decoder_start_token_id: int | None = None, pad_token_id: int | None = None):
+        config = getattr(model, "config", None)
+        self.decoder_start_token_id = first_set(decoder_start_token_id, getattr(config, "decoder_start_token_id", None))
+        self.pad_token_id = first_set(pad_token_id, getattr(config, "pad_token_id", None))
+        if self.decoder_start_token_id is None or self.pad_token_id is None:
+            raise ValueError(
+                "DataCollatorForSeq2SeqWithFlattening needs decoder_start_token_id and pad_token_id: pass the model "
+                "(its config has them) or give both."
+            )
+
+    def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
+        sources = [torch.as_tensor(feature["input_ids"], dtype=torch.long) for feature in features]
+        labels = [torch.as_tensor(feature["labels"], dtype=torch.long) for feature in features]
+        if any(len(sequence) == 0 for sequence in sources + labels):
+            raise ValueError("Every feature needs at least one input id and one label.")
+        decoder_inputs = [self.shift(sequence) for sequence in labels]
+        if len({len(sequence) for sequence in sources}) == 1 and len({len(sequence) for sequence in labels}) == 1:
+            return dict(
+                input_ids=torch.stack(sources),
+                labels=torch.stack(labels),
+                decoder_input_ids=torch.stack(decoder_inputs),
+            )
+        return dict(
+            input_ids=torch.cat(sources)[None],
+            position_ids=positions_of(sources),
+            labels=torch.cat(labels)[None],
+            decoder_input_ids=torch.cat(decoder_inputs)[None],
+            decoder_position_ids=positions_of(labels),
+            **offsets_of(sources, "k"),
+            **offsets_of(labels, "q"),
+        )
+
+    def shift(self, labels: torch.Tensor) -> torch.Tensor:
+        shifted = torch.cat((labels.new_tensor([self.decoder_start_token_id]), labels[:-1]))
+        return shifted.masked_fill(shifted == IGNORE_INDEX, self.pad_token_id)
+
+
+def first_set(*values):
+    return next((value for value in values if value is not None), None)
+
+
+def positions_of(sequences: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([torch.arange(len(sequence)) for sequence in sequences])[None]
+
+
+def offsets_of(sequences: list[torch.Tensor], side: str) -> dict[str, Any]:
+    lengths = torch.tensor([len(sequence) for sequence in sequences])
+    cu_seq_lens = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+    return {f"cu_seq_lens_{side}": cu_seq_lens, f"max_length_{side}": int(lengths.max())}
+
+
+__all__ = [
+    "DataCollatorForSeq2SeqWithFlattening",
+    "Sequences",
+    "VARLEN_IMPLEMENTATIONS",
+    "attention_layout",
+    "packed_attention",
+    "shift_packed_labels",
+]

@@ -1,16 +1,16 @@
 """Position information (§3.5 and its successors).
 
-Every position module maps `(inputs_embeds, position_ids)` to `(hidden_states, rotary)`: additive encodings return the
-embeddings with positions added and no rotary table; RoPE returns the embeddings unchanged and the `(cos, sin)` table
-that self-attention applies to queries and keys. None of them keeps a buffer, so models built on the `meta` device by
-`from_pretrained` need nothing recomputed.
+Every position module maps `(inputs_embeds, position_ids, past_length)` to `(hidden_states, rotary)`: additive
+encodings return the embeddings with positions added and no rotary table; RoPE returns the embeddings unchanged and
+the `(cos, sin)` table that self-attention applies to queries and keys. Without `position_ids` the positions are
+`past_length`, `past_length + 1`, ... (after a cache).
 """
 
 import torch
 from torch import nn
-from transformers.utils import is_torchdynamo_compiling
 
 from .configuration_vanilla_transformer import VanillaTransformerConfig
+from .inputs_vanilla_transformer import require
 
 PositionOutput = tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]
 
@@ -29,16 +29,34 @@ def sinusoidal_position_encoding(position_ids: torch.Tensor, dim: int, layout: s
     return encoding[..., :dim]
 
 
+def default_positions(inputs_embeds: torch.Tensor, past_length: int | torch.Tensor) -> torch.Tensor:
+    return torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_length
+
+
 class SinusoidalPositionalEmbedding(nn.Module):
-    """Fixed sinusoids added to the embeddings; they extrapolate to any length (§3.5)."""
+    """Fixed sinusoids added to the embeddings; they extrapolate to any length (§3.5).
+
+    The first `max_position_embeddings` rows are kept as a table (not saved: `_init_weights` recomputes it), so the
+    usual positions 0, 1, ... cost one slice instead of a dozen small kernels; other positions are computed."""
 
     def __init__(self, config: VanillaTransformerConfig, head_dim: int):
         super().__init__()
         self.dim = config.d_model
         self.layout = config.sinusoidal_layout
+        self.register_buffer("table", self.encoding(torch.arange(config.max_position_embeddings)), persistent=False)
 
-    def forward(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor) -> PositionOutput:
-        encoding = sinusoidal_position_encoding(position_ids, self.dim, self.layout)
+    def encoding(self, position_ids: torch.Tensor) -> torch.Tensor:
+        return sinusoidal_position_encoding(position_ids, self.dim, self.layout)
+
+    def forward(
+        self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor | None, past_length: int | torch.Tensor = 0
+    ) -> PositionOutput:
+        length = inputs_embeds.shape[1]
+        if position_ids is None and isinstance(past_length, int) and past_length + length <= len(self.table):
+            encoding = self.table[past_length : past_length + length]
+        else:
+            positions = default_positions(inputs_embeds, past_length) if position_ids is None else position_ids
+            encoding = self.encoding(positions)
         return inputs_embeds + encoding.to(inputs_embeds.dtype), None
 
 
@@ -48,13 +66,15 @@ class LearnedPositionalEmbedding(nn.Embedding):
     def __init__(self, config: VanillaTransformerConfig, head_dim: int):
         super().__init__(config.max_position_embeddings, config.d_model)
 
-    def forward(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor) -> PositionOutput:
-        # A data-dependent check (one host sync); skipped while compiling, as for out-of-vocabulary token ids.
-        if not is_torchdynamo_compiling() and position_ids.numel() and int(position_ids.max()) >= self.num_embeddings:
-            raise ValueError(
-                f"Position {int(position_ids.max())} is past max_position_embeddings={self.num_embeddings} "
-                "(position_embedding_type='learned'); shorten the input or raise max_position_embeddings."
-            )
+    def forward(
+        self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor | None, past_length: int | torch.Tensor = 0
+    ) -> PositionOutput:
+        position_ids = default_positions(inputs_embeds, past_length) if position_ids is None else position_ids
+        require(
+            (position_ids < self.num_embeddings).all(),
+            f"A position is past max_position_embeddings={self.num_embeddings} (position_embedding_type='learned'): "
+            "shorten the input or raise max_position_embeddings.",
+        )
         return inputs_embeds + super().forward(position_ids), None
 
 
@@ -66,7 +86,10 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         self.theta = config.rope_theta
 
-    def forward(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor) -> PositionOutput:
+    def forward(
+        self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor | None, past_length: int | torch.Tensor = 0
+    ) -> PositionOutput:
+        position_ids = default_positions(inputs_embeds, past_length) if position_ids is None else position_ids
         exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=position_ids.device) / self.head_dim
         freqs = position_ids.to(torch.float32)[..., None] * self.theta**-exponents
         angles = torch.cat((freqs, freqs), dim=-1)
@@ -81,7 +104,9 @@ class NoPositionalEmbedding(nn.Module):
     def __init__(self, config: VanillaTransformerConfig, head_dim: int):
         super().__init__()
 
-    def forward(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor) -> PositionOutput:
+    def forward(
+        self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor | None, past_length: int | torch.Tensor = 0
+    ) -> PositionOutput:
         return inputs_embeds, None
 
 

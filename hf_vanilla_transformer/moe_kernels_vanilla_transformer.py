@@ -3,17 +3,28 @@
     gated_activation    act(gate) * up whose backward writes its gradient into the fused [gate; up] projection output
     sorted_grouped_mm   our experts function (the default): the (token, expert) rows sorted by expert once, one
                         grouped matmul per projection, registered in transformers' table of experts functions
+    EXPERTS_FUNCTIONS   the table our experts dispatch through: transformers', whose batched_mm first checks that
+                        its per-row weight copies fit (`check_batched_mm_memory`)
 
-None of them synchronises host and device (DESIGN.md "hot path"): offsets come from `searchsorted`.
+None of them synchronises host and device (DESIGN.md "hot path"): offsets come from `searchsorted`, limits from shapes.
 """
+
+import functools
+import math
 
 import torch
 from torch import nn
+from transformers.activations import SiLUActivation
 from transformers.integrations.moe import ExpertsInterface, _grouped_linear
+from transformers.utils import is_torchdynamo_compiling
 
 # Rows of the gated activation's backward are processed in blocks of about this many elements (4 MB in fp32): its
 # temporaries then stay small enough for the allocator to reuse instead of mapping (and page-faulting) fresh memory.
 _GATE_BACKWARD_BLOCK_ELEMENTS = 1 << 20
+
+# The SiLU modules, whose derivative the backward writes in place: ACT2FN's "silu" (the SwiGLU gate) is transformers'
+# own class, its "swish" torch's.
+_SILU_MODULES = (nn.SiLU, SiLUActivation)
 
 
 class _GatedActivation(torch.autograd.Function):
@@ -52,7 +63,7 @@ class _GatedActivation(torch.autograd.Function):
 def _overwrite_with_gradients(activation: nn.Module, gate: torch.Tensor, up: torch.Tensor, grad: torch.Tensor) -> None:
     """One block of rows of `_GatedActivation.backward`: gate <- grad * up * act'(gate), up <- grad * act(gate)."""
     grad_activated = grad * up
-    if isinstance(activation, nn.SiLU):  # SwiGLU, the usual MoE expert: aten's SiLU derivative, written in place
+    if isinstance(activation, _SILU_MODULES):  # SwiGLU, the usual MoE expert: aten's SiLU derivative, written in place
         torch.ops.aten.silu.out(gate, out=up)
         up.mul_(grad)
         torch.ops.aten.silu_backward.grad_input(grad_activated, gate, grad_input=gate)
@@ -68,6 +79,11 @@ def _overwrite_with_gradients(activation: nn.Module, gate: torch.Tensor, up: tor
 def gated_activation(gate_up: torch.Tensor, activation: nn.Module) -> torch.Tensor:
     """act(gate) * up (Shazeer 2020) of the experts' fresh [gate; up] projection output, which the backward reuses
     for its gradient (see `_GatedActivation`)."""
+    if is_torchdynamo_compiling():
+        # A compiled graph plans its own buffers, and dynamo cannot trace the backward's autograd.grad (a graph
+        # break, fatal with fullgraph=True): plain autograd, whose gradients the custom backward reproduces bit for bit.
+        gate, up = gate_up.chunk(2, dim=-1)
+        return activation(gate) * up
     return _GatedActivation.apply(gate_up, activation)
 
 
@@ -142,8 +158,71 @@ def sorted_grouped_mm_experts_forward(
 ExpertsInterface.register(SORTED_GROUPED_MM, sorted_grouped_mm_experts_forward)
 
 
+# ---------------------------------------------------------------------------------------------------- batched_mm
+
+BATCHED_MM = "batched_mm"
+
+# transformers' batched_mm gathers one copy of each projection's (out, in) matrix per routed row (token x choice),
+# which autograd keeps for the backward: at transformer-base sizes (ReLU experts, fp32), 8 experts top-2 and 128 x 64
+# tokens, 128 GiB per layer, which ran out of memory on an H200. Past this many bytes of copies it is refused. The
+# limit is far above a decoding step, which batched_mm is for (the same model, 64 sequences: 1 GiB), and rows past it
+# read each expert's weights many times over where the grouped functions read them once.
+BATCHED_MM_MAX_GATHERED_BYTES = 4 << 30
+
+
+def batched_mm_gathered_bytes(experts: nn.Module, top_k_index: torch.Tensor) -> int:
+    """Bytes of the weight copies batched_mm gathers for `top_k_index` (T, k): rows * (up + down matrix bytes),
+    twice that when autograd records them (kept for the backward, which makes a gradient of every copy). From shapes
+    and grad mode only, so the check never waits for the device."""
+    up_proj = experts.gate_up_proj if experts.has_gate else experts.up_proj
+    weights = (up_proj, experts.down_proj)
+    per_row = sum(math.prod(weight.shape[1:]) * weight.element_size() for weight in weights)
+    recorded = torch.is_grad_enabled() and any(weight.requires_grad for weight in weights)
+    return top_k_index.numel() * per_row * (2 if recorded else 1)
+
+
+def check_batched_mm_memory(experts: nn.Module, top_k_index: torch.Tensor) -> None:
+    """Refuse a batched_mm call whose weight copies would exceed `BATCHED_MM_MAX_GATHERED_BYTES`, naming the
+    functions that run such batches."""
+    gathered = batched_mm_gathered_bytes(experts, top_k_index)
+    if gathered > BATCHED_MM_MAX_GATHERED_BYTES:
+        raise ValueError(
+            f'experts_implementation="{BATCHED_MM}" would gather {gathered / 2**30:.1f} GiB of expert weights for '
+            f"{top_k_index.numel()} routed rows (one copy per row, more than {BATCHED_MM_MAX_GATHERED_BYTES / 2**30:g}"
+            f' GiB); use "{SORTED_GROUPED_MM}" (the default) or "grouped_mm" for batches of this size.'
+        )
+
+
+def _memory_checked(
+    batched_mm, experts: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    """`batched_mm` after `check_batched_mm_memory`."""
+    check_batched_mm_memory(experts, top_k_index)
+    return batched_mm(experts, hidden_states, top_k_index, top_k_weights)
+
+
+class VanillaTransformerExpertsInterface(ExpertsInterface):
+    """transformers' table of experts functions (the same global mapping: any function registered there, ours
+    included, is selectable), whose batched_mm checks its memory first (`check_batched_mm_memory`). The function is
+    looked up at each call, so whatever transformers' table holds under that name is what runs."""
+
+    def get_interface(self, experts_implementation: str, default):
+        experts_forward = super().get_interface(experts_implementation, default)
+        if experts_implementation != BATCHED_MM:
+            return experts_forward
+        return functools.partial(_memory_checked, experts_forward)
+
+
+# What `@use_experts_implementation` on our experts dispatches through.
+EXPERTS_FUNCTIONS = VanillaTransformerExpertsInterface()
+
 __all__ = [
+    "BATCHED_MM_MAX_GATHERED_BYTES",
+    "EXPERTS_FUNCTIONS",
     "SORTED_GROUPED_MM",
+    "VanillaTransformerExpertsInterface",
+    "batched_mm_gathered_bytes",
+    "check_batched_mm_memory",
     "gated_activation",
     "grouped_mm_takes",
     "local_expert_ids",

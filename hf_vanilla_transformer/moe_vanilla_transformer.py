@@ -30,6 +30,7 @@ from .configuration_vanilla_transformer import GATED_FFN_TYPES, VanillaTransform
 from .dropout_vanilla_transformer import Dropout
 from .feed_forward_vanilla_transformer import ffn_activation
 from .moe_kernels_vanilla_transformer import (  # the kernels' names stay importable from here
+    EXPERTS_FUNCTIONS,
     SORTED_GROUPED_MM,
     gated_activation,
     grouped_mm_takes,
@@ -41,7 +42,8 @@ from .packing_vanilla_transformer import PackedTokens
 
 class VanillaTransformerRouter(nn.Module):
     """The gate: a linear map to one logit per expert, softmax, top-k. Always computed in fp32, because a bf16
-    softmax over near-equal logits flips top-k choices and the router is tiny (Switch Transformer §2.4)."""
+    softmax over near-equal logits flips top-k choices and the router is tiny (Switch Transformer §2.4): in a bf16
+    model as under autocast, which would otherwise run the linear map in bf16 whatever its inputs' dtype."""
 
     def __init__(self, config: VanillaTransformerConfig):
         super().__init__()
@@ -52,17 +54,18 @@ class VanillaTransformerRouter(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """hidden_states (T, H) -> router logits (T, E) fp32, top-k weights (T, k) fp32, top-k expert ids (T, k)."""
-        hidden_states = hidden_states.float()
-        if self.training and self.jitter_noise > 0:
-            # Multiplicative jitter on the router input only (Switch Transformer §2.4): explores routings in
-            # training while the experts still see the clean hidden states.
-            noise = torch.empty_like(hidden_states).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
-            hidden_states = hidden_states * noise
-        router_logits = F.linear(hidden_states, self.weight.float())
-        top_k_weights, top_k_index = torch.topk(router_logits.softmax(dim=-1), self.top_k, dim=-1)
-        if self.norm_topk_prob:  # Mixtral: the k chosen weights sum to one
-            top_k_weights = top_k_weights / top_k_weights.sum(dim=-1, keepdim=True)
-        return router_logits, top_k_weights, top_k_index
+        with torch.autocast(device_type=hidden_states.device.type, enabled=False):
+            hidden_states = hidden_states.float()
+            if self.training and self.jitter_noise > 0:
+                # Multiplicative jitter on the router input only (Switch Transformer §2.4): explores routings in
+                # training while the experts still see the clean hidden states.
+                noise = torch.empty_like(hidden_states).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
+                hidden_states = hidden_states * noise
+            router_logits = F.linear(hidden_states, self.weight.float())
+            top_k_weights, top_k_index = torch.topk(router_logits.softmax(dim=-1), self.top_k, dim=-1)
+            if self.norm_topk_prob:  # Mixtral: the k chosen weights sum to one
+                top_k_weights = top_k_weights / top_k_weights.sum(dim=-1, keepdim=True)
+            return router_logits, top_k_weights, top_k_index
 
 
 def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
@@ -86,7 +89,7 @@ def within_capacity(top_k_index: torch.Tensor, num_experts: int, capacity: int) 
 # ---------------------------------------------------------------------------------------------------- experts
 
 
-@use_experts_implementation
+@use_experts_implementation(experts_interface=EXPERTS_FUNCTIONS)
 class VanillaTransformerExperts(nn.Module):
     """`num_experts` FFNs of `config.ffn_type` (§3.3 or a GLU variant) stored as 3D tensors in Mixtral's layout, so
     that transformers' experts functions run them: gated types fuse [gate; up] in `gate_up_proj` (E, 2I, H), ungated
@@ -137,16 +140,20 @@ class VanillaTransformerExperts(nn.Module):
 
         It rounds where transformers' batched and grouped functions do, so that in bf16 or fp16 switching the
         implementation does not change the outputs: the bias is added to the rounded product, and the sum is taken
-        in the routing weights' fp32 and cast once."""
+        in the dtype of their weighted products (expert weights' times routing weights': the router's fp32) and cast
+        once."""
         up_name = self.up_projection_name
         top_k_index = local_expert_ids(self, top_k_index)
-        output = hidden_states.new_zeros(hidden_states.shape, dtype=top_k_weights.dtype)
+        summed_dtype = torch.promote_types(self.down_proj.dtype, top_k_weights.dtype)
+        output = hidden_states.new_zeros(hidden_states.shape, dtype=summed_dtype)
         for expert in top_k_index.unique().tolist():
             token, choice = torch.where(top_k_index == expert)
             hidden = self._linear(hidden_states[token], up_name, expert)
             hidden = self._apply_gate(hidden) if self.has_gate else self.act_fn(hidden)
-            expert_output = self._linear(hidden, "down_proj", expert)
-            output.index_add_(0, token, expert_output * top_k_weights[token, choice, None])
+            weighted = self._linear(hidden, "down_proj", expert) * top_k_weights[token, choice, None]
+            # Under autocast the matmuls here come out in bf16 whatever the weights' dtype (the grouped kernels,
+            # which autocast does not cover, in the weights' dtype), and a bias may promote them.
+            output.index_add_(0, token, weighted.to(output.dtype))
         return output.to(hidden_states.dtype)
 
     def _linear(self, inputs: torch.Tensor, projection: str, expert: int) -> torch.Tensor:

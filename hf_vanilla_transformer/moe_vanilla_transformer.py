@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import initialization as init
-from transformers.integrations.moe import ExpertsInterface, _grouped_linear, use_experts_implementation
+from transformers.integrations.moe import use_experts_implementation
 from transformers.modeling_outputs import (
     BaseModelOutput,
     BaseModelOutputWithPastAndCrossAttentions,
@@ -28,11 +28,20 @@ from transformers.modeling_outputs import (
 from .configuration_vanilla_transformer import GATED_FFN_TYPES, VanillaTransformerConfig
 from .dropout_vanilla_transformer import Dropout
 from .feed_forward_vanilla_transformer import ffn_activation
+from .moe_kernels_vanilla_transformer import (  # the kernels' names stay importable from here
+    EXPERTS_FUNCTIONS,
+    SORTED_GROUPED_MM,
+    gated_activation,
+    grouped_mm_takes,
+    local_expert_ids,
+    sorted_grouped_mm_experts_forward,
+)
 
 
 class VanillaTransformerRouter(nn.Module):
     """The gate: a linear map to one logit per expert, softmax, top-k. Always computed in fp32, because a bf16
-    softmax over near-equal logits flips top-k choices and the router is tiny (Switch Transformer §2.4)."""
+    softmax over near-equal logits flips top-k choices and the router is tiny (Switch Transformer §2.4): in a bf16
+    model as under autocast, which would otherwise run the linear map in bf16 whatever its inputs' dtype."""
 
     def __init__(self, config: VanillaTransformerConfig):
         super().__init__()
@@ -43,17 +52,18 @@ class VanillaTransformerRouter(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """hidden_states (T, H) -> router logits (T, E) fp32, top-k weights (T, k) fp32, top-k expert ids (T, k)."""
-        hidden_states = hidden_states.float()
-        if self.training and self.jitter_noise > 0:
-            # Multiplicative jitter on the router input only (Switch Transformer §2.4): explores routings in
-            # training while the experts still see the clean hidden states.
-            noise = torch.empty_like(hidden_states).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
-            hidden_states = hidden_states * noise
-        router_logits = F.linear(hidden_states, self.weight.float())
-        top_k_weights, top_k_index = torch.topk(router_logits.softmax(dim=-1), self.top_k, dim=-1)
-        if self.norm_topk_prob:  # Mixtral: the k chosen weights sum to one
-            top_k_weights = top_k_weights / top_k_weights.sum(dim=-1, keepdim=True)
-        return router_logits, top_k_weights, top_k_index
+        with torch.autocast(device_type=hidden_states.device.type, enabled=False):
+            hidden_states = hidden_states.float()
+            if self.training and self.jitter_noise > 0:
+                # Multiplicative jitter on the router input only (Switch Transformer §2.4): explores routings in
+                # training while the experts still see the clean hidden states.
+                noise = torch.empty_like(hidden_states).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
+                hidden_states = hidden_states * noise
+            router_logits = F.linear(hidden_states, self.weight.float())
+            top_k_weights, top_k_index = torch.topk(router_logits.softmax(dim=-1), self.top_k, dim=-1)
+            if self.norm_topk_prob:  # Mixtral: the k chosen weights sum to one
+                top_k_weights = top_k_weights / top_k_weights.sum(dim=-1, keepdim=True)
+            return router_logits, top_k_weights, top_k_index
 
 
 def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
@@ -76,138 +86,8 @@ def within_capacity(top_k_index: torch.Tensor, num_experts: int, capacity: int) 
 
 # ---------------------------------------------------------------------------------------------------- experts
 
-# Rows of the gated activation's backward are processed in blocks of about this many elements (4 MB in fp32): its
-# temporaries then stay small enough for the allocator to reuse instead of mapping (and page-faulting) fresh memory.
-_GATE_BACKWARD_BLOCK_ELEMENTS = 1 << 20
 
-
-class _GatedActivation(torch.autograd.Function):
-    """act(gate) * up of a fused [gate; up] projection output (rows, 2I) -> (rows, I), whose backward writes the
-    gradient into that projection output instead of new memory.
-
-    Plain autograd keeps act(gate), computes the two halves' gradients into two new (rows, I) tensors and
-    concatenates them into a third, (rows, 2I); on CPU each large fresh tensor costs page faults on top of its
-    arithmetic. Here, one block of rows at a time, each half is overwritten with its gradient once it is no longer
-    needed, by the same operations autograd runs (the gradients are bit-identical). So the input must be a fresh
-    projection output that nothing else reads afterwards (the experts' up projection): a second backward through
-    the same graph raises autograd's "modified by an inplace operation" error, and a double backward
-    (create_graph=True) raises too.
-    """
-
-    @staticmethod
-    def forward(ctx, gate_up: torch.Tensor, activation: nn.Module) -> torch.Tensor:
-        gate, up = gate_up.chunk(2, dim=-1)
-        hidden = activation(gate)
-        # The identity (bilinear GLU) hands back the gate view itself, which must not be multiplied in place.
-        hidden = hidden * up if hidden is gate else hidden.mul_(up)
-        ctx.activation = activation
-        ctx.save_for_backward(gate_up)
-        return hidden
-
-    @staticmethod
-    def backward(ctx, grad_hidden: torch.Tensor) -> tuple[torch.Tensor, None]:
-        (gate_up,) = ctx.saved_tensors
-        rows_per_block = max(1, _GATE_BACKWARD_BLOCK_ELEMENTS // grad_hidden.shape[-1])
-        for start in range(0, gate_up.shape[0], rows_per_block):
-            gate, up = gate_up[start : start + rows_per_block].chunk(2, dim=-1)
-            _overwrite_with_gradients(ctx.activation, gate, up, grad_hidden[start : start + rows_per_block])
-        return gate_up, None
-
-
-def _overwrite_with_gradients(activation: nn.Module, gate: torch.Tensor, up: torch.Tensor, grad: torch.Tensor) -> None:
-    """One block of rows of `_GatedActivation.backward`: gate <- grad * up * act'(gate), up <- grad * act(gate)."""
-    grad_activated = grad * up
-    if isinstance(activation, nn.SiLU):  # SwiGLU, the usual MoE expert: aten's SiLU derivative, written in place
-        torch.ops.aten.silu.out(gate, out=up)
-        up.mul_(grad)
-        torch.ops.aten.silu_backward.grad_input(grad_activated, gate, grad_input=gate)
-        return
-    with torch.enable_grad():  # any other activation: its derivative from its own autograd backward
-        gate_input = gate.detach().requires_grad_()
-        activated = activation(gate_input)
-    (grad_gate,) = torch.autograd.grad(activated, gate_input, grad_activated)
-    torch.mul(activated.detach(), grad, out=up)  # after autograd.grad: gate_input shares up's version counter
-    gate.copy_(grad_gate)
-
-
-def gated_activation(gate_up: torch.Tensor, activation: nn.Module) -> torch.Tensor:
-    """act(gate) * up (Shazeer 2020) of the experts' fresh [gate; up] projection output, which the backward reuses
-    for its gradient (see `_GatedActivation`)."""
-    return _GatedActivation.apply(gate_up, activation)
-
-
-def grouped_mm_takes(weight: torch.Tensor) -> bool:
-    """Whether torch's grouped_mm kernels can multiply by these (experts, out, in) matrices: they need every row
-    stride of their operands to be a multiple of 16 bytes, the input dimension in the forward and the output
-    dimension in the backward (an expert hidden size of 81 in fp32, 36 in bf16, fails)."""
-    return all(size * weight.element_size() % 16 == 0 for size in weight.shape[-2:])
-
-
-def looped_grouped_linear(
-    inputs: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, bias: torch.Tensor | None, is_transposed: bool
-) -> torch.Tensor:
-    """`_grouped_linear` through transformers' fallback kernel (one matmul per expert, differentiable, compilable),
-    for the shapes grouped_mm refuses."""
-    weight = weight if is_transposed else weight.transpose(-2, -1)  # (experts, in, out)
-    output = torch.ops.transformers.grouped_mm_fallback(inputs.to(weight.dtype), weight, offs=offsets)
-    return output if bias is None else output + bias
-
-
-def local_expert_ids(experts: nn.Module, top_k_index: torch.Tensor) -> torch.Tensor:
-    """Under expert parallelism `num_experts` counts this rank's experts, and a choice of another rank's expert comes
-    as id `num_experts` with weight 0 (transformers' all-reduce dispatch): a local expert runs it and the weight drops
-    its output, as in transformers' batched_mm."""
-    return top_k_index.clamp(max=experts.num_experts - 1) if experts._is_expert_parallel else top_k_index
-
-
-SORTED_GROUPED_MM = "sorted_grouped_mm"
-
-
-def sorted_grouped_mm_experts_forward(
-    experts: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
-) -> torch.Tensor:
-    """ "sorted_grouped_mm": transformers' `grouped_mm_experts_forward` (the (token, expert) assignments sorted by
-    expert, one grouped matmul per projection through the same `_grouped_linear` kernel dispatch) with fewer passes
-    over the (tokens * k, H) rows around the matmuls, and a looped kernel for the shapes torch's grouped_mm refuses.
-
-    The sort order gives each row's token directly: rows are gathered with `index_select` and the weighted expert
-    outputs summed back per token with `index_add` (whose backward is again an `index_select`), where transformers
-    gathers by advanced indexing (whose backward zero-fills and scatters), un-permutes the outputs through the inverse
-    permutation and sums a reshape. As there, the sum is taken in the routing weights' fp32 and cast once.
-    Registered in transformers' table, it is selectable for any model's experts: it refuses the post-expert norm
-    some have instead of skipping it.
-    """
-    if experts.has_post_expert_norm:
-        raise NotImplementedError(
-            f'experts_implementation="{SORTED_GROUPED_MM}" does not run post-expert norms; use "grouped_mm".'
-        )
-    num_tokens, top_k = top_k_index.shape
-    expert_ids, order = local_expert_ids(experts, top_k_index).reshape(-1).sort()
-    token = order // top_k  # the token of each row, rows in expert order
-    expert_ends = torch.arange(1, experts.num_experts + 1, device=expert_ids.device)
-    offsets = torch.searchsorted(expert_ids, expert_ends, out_int32=True)  # rows up to each expert's last, no sync
-
-    def grouped_linear(inputs: torch.Tensor, projection: str) -> torch.Tensor:
-        bias = getattr(experts, f"{projection}_bias")[expert_ids] if experts.has_bias else None
-        weight = getattr(experts, projection)
-        if grouped_mm_takes(weight):
-            return _grouped_linear(inputs, weight, offsets, bias, experts.is_transposed)
-        return looped_grouped_linear(inputs, weight, offsets, bias, experts.is_transposed)
-
-    up_projection, activate = ("gate_up_proj", experts._apply_gate) if experts.has_gate else ("up_proj", experts.act_fn)
-    hidden = activate(grouped_linear(hidden_states.index_select(0, token), up_projection))
-    weighted = grouped_linear(hidden, "down_proj") * top_k_weights.reshape(-1)[order, None]
-    combined = weighted.new_zeros(num_tokens, weighted.shape[-1]).index_add(0, token, weighted)
-    return combined.to(hidden_states.dtype)
-
-
-# Ours, by name, beside transformers' experts functions: `from_pretrained(..., experts_implementation=...)` and
-# `set_experts_implementation` accept the names of transformers' global table. (`_grouped_linear` is private to
-# transformers, whose version is pinned.)
-ExpertsInterface.register(SORTED_GROUPED_MM, sorted_grouped_mm_experts_forward)
-
-
-@use_experts_implementation
+@use_experts_implementation(experts_interface=EXPERTS_FUNCTIONS)
 class VanillaTransformerExperts(nn.Module):
     """`num_experts` FFNs of `config.ffn_type` (§3.3 or a GLU variant) stored as 3D tensors in Mixtral's layout, so
     that transformers' experts functions run them: gated types fuse [gate; up] in `gate_up_proj` (E, 2I, H), ungated
@@ -258,16 +138,20 @@ class VanillaTransformerExperts(nn.Module):
 
         It rounds where transformers' batched and grouped functions do, so that in bf16 or fp16 switching the
         implementation does not change the outputs: the bias is added to the rounded product, and the sum is taken
-        in the routing weights' fp32 and cast once."""
+        in the dtype of their weighted products (expert weights' times routing weights': the router's fp32) and cast
+        once."""
         up_name = self.up_projection_name
         top_k_index = local_expert_ids(self, top_k_index)
-        output = hidden_states.new_zeros(hidden_states.shape, dtype=top_k_weights.dtype)
+        summed_dtype = torch.promote_types(self.down_proj.dtype, top_k_weights.dtype)
+        output = hidden_states.new_zeros(hidden_states.shape, dtype=summed_dtype)
         for expert in top_k_index.unique().tolist():
             token, choice = torch.where(top_k_index == expert)
             hidden = self._linear(hidden_states[token], up_name, expert)
             hidden = self._apply_gate(hidden) if self.has_gate else self.act_fn(hidden)
-            expert_output = self._linear(hidden, "down_proj", expert)
-            output.index_add_(0, token, expert_output * top_k_weights[token, choice, None])
+            weighted = self._linear(hidden, "down_proj", expert) * top_k_weights[token, choice, None]
+            # Under autocast the matmuls here come out in bf16 whatever the weights' dtype (the grouped kernels,
+            # which autocast does not cover, in the weights' dtype), and a bias may promote them.
+            output.index_add_(0, token, weighted.to(output.dtype))
         return output.to(hidden_states.dtype)
 
     def _linear(self, inputs: torch.Tensor, projection: str, expert: int) -> torch.Tensor:

@@ -35,7 +35,6 @@ from hf_vanilla_transformer.moe_vanilla_transformer import (
     VanillaTransformerSparseMoeBlock,
     dropped_token_counts,
     expert_capacity,
-    gated_activation,
     load_balancing_loss,
     router_z_loss,
     sorted_grouped_mm_experts_forward,
@@ -300,35 +299,6 @@ def test_our_grouped_mm_is_transformers_grouped_mm(ffn_type):
     torch.testing.assert_close(ours, transformers_output, rtol=1e-6, atol=1e-6)  # k = 3: sums in another order
     for name in our_grads:
         torch.testing.assert_close(our_grads[name], transformers_grads[name], rtol=1e-6, atol=1e-6, msg=name)
-
-
-@pytest.mark.parametrize("ffn_type", ["swiglu", "geglu", "reglu", "glu", "bilinear"])
-def test_gated_activation_gradient_is_autograds_bit_for_bit(ffn_type):
-    """The experts' gated activation writes its gradient into the projection output, in row blocks."""
-    activation = ffn_activation(moe_config(ffn_type=ffn_type))
-    x, grad_hidden = torch.randn(1500, 8), torch.randn(1500, 1000)  # more rows than one backward block
-    weight = torch.randn(2000, 8, requires_grad=True)
-
-    def gradient(gated):
-        weight.grad = None
-        hidden = gated(x @ weight.T)
-        hidden.backward(grad_hidden)
-        return hidden, weight.grad
-
-    def autograd_gate(gate_up):
-        gate, up = gate_up.chunk(2, dim=-1)
-        return activation(gate) * up
-
-    expected_hidden, expected_grad = gradient(autograd_gate)
-    hidden, grad = gradient(lambda gate_up: gated_activation(gate_up, activation))
-    assert torch.equal(hidden, expected_hidden) and torch.equal(grad, expected_grad)
-
-
-def test_gated_activation_refuses_a_second_backward_instead_of_reading_its_overwritten_input():
-    hidden = gated_activation(torch.randn(3, 8, requires_grad=True) * 1.0, ffn_activation(moe_config()))
-    hidden.sum().backward(retain_graph=True)
-    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
-        hidden.sum().backward()
 
 
 @pytest.mark.parametrize(

@@ -177,15 +177,19 @@ def padded_batches(ours, marian, settings: Settings, features: list[dict]) -> di
         padding_tokenizer(marian.config.vocab_size), model=marian, pad_to_multiple_of=8, return_tensors="pt"
     )
     marian_batch, marian_seconds = collate_timed(marian_collate, features, settings.repeats)
-    if settings.ours_flattened:
-        from hf_vanilla_transformer import DataCollatorForSeq2SeqWithFlattening
+    marian_batch = to_device(marian_batch, settings.device)
+    if not settings.ours_flattened:  # the very same batch: check_losses sees that there is no layout to compare
+        return {
+            "ours": marian_batch,
+            "marian": marian_batch,
+            "collator_cpu_seconds": {"ours": None, "marian": marian_seconds},
+        }
+    from hf_vanilla_transformer import DataCollatorForSeq2SeqWithFlattening
 
-        ours_batch, ours_seconds = collate_timed(DataCollatorForSeq2SeqWithFlattening(ours), features, settings.repeats)
-    else:
-        ours_batch, ours_seconds = marian_batch, marian_seconds
+    ours_batch, ours_seconds = collate_timed(DataCollatorForSeq2SeqWithFlattening(ours), features, settings.repeats)
     return {
         "ours": to_device(ours_batch, settings.device),
-        "marian": to_device(marian_batch, settings.device),
+        "marian": marian_batch,
         "collator_cpu_seconds": {"ours": ours_seconds, "marian": marian_seconds},
     }
 

@@ -21,6 +21,8 @@ SIZES: dict[str, tuple[int, int, int, int, int]] = {
 }
 # Sizes only the CPU decoding comparison uses: transformer-base with a 32000-token vocabulary.
 DECODING_SIZES: dict[str, tuple[int, int, int, int, int]] = {"transformer-base-32k": (512, 6, 8, 2048, 32000)}
+# A size for smoke runs only (gpu_benchmark.py --quick on a CPU): every code path, in seconds.
+SMOKE_SIZES: dict[str, tuple[int, int, int, int, int]] = {"tiny": (64, 1, 4, 128, 512)}
 
 # Our parameter names -> Marian's (a name not matched is the same in both).
 RENAMES = [
@@ -32,7 +34,7 @@ RENAMES = [
 
 
 def our_config(size: str, dropout: float) -> VanillaTransformerConfig:
-    d_model, layers, heads, ffn_dim, vocab_size = {**SIZES, **DECODING_SIZES}[size]
+    d_model, layers, heads, ffn_dim, vocab_size = {**SIZES, **DECODING_SIZES, **SMOKE_SIZES}[size]
     return VanillaTransformerConfig(
         vocab_size=vocab_size,
         d_model=d_model,

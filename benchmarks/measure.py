@@ -82,10 +82,15 @@ def time_alternating(
 
 
 def time_round_robin(
-    runs: dict[str, Callable[[], object]], repeats: int, clock: str = "wall", warmup: int = 1
+    runs: dict[str, Callable[[], object]],
+    repeats: int,
+    clock: str = "wall",
+    warmup: int = 1,
+    device: torch.device = torch.device("cpu"),
 ) -> dict[str, list[float]]:
     """Seconds per call of several candidates, timed in rounds that call each once, the order rotating every round
-    (so none is always first after the previous one warmed or cooled the caches), after `warmup` calls of each."""
+    (so none is always first after the previous one warmed or cooled the caches), after `warmup` calls of each.
+    On a GPU each timed call is bracketed by synchronizations, so it counts the kernels it queued."""
     now = CLOCKS[clock]
     for _ in range(warmup):
         for run in runs.values():
@@ -95,8 +100,10 @@ def time_round_robin(
     for round_idx in range(repeats):
         shift = round_idx % len(names)
         for name in names[shift:] + names[:shift]:
+            synchronize(device)
             start = now()
             runs[name]()
+            synchronize(device)
             seconds[name].append(now() - start)
     return seconds
 
@@ -122,16 +129,19 @@ def memory_bandwidth(clock: str = "wall", gib: int = 1, repeats: int = 4) -> flo
 def peak_memory_bytes(run: Callable[[], object], persistent_bytes: int, device: torch.device) -> int:
     """Peak bytes of live tensors while `run()` executes, counting `persistent_bytes` that exist before it.
 
-    CUDA: the caching allocator's own high-water mark. CPU has no allocator statistics, so the profiler's memory
-    timeline (every tensor allocation and free, as seen by torch) is replayed and its running sum's maximum taken.
-    Both count tensor storage only: not the Python heap, not allocator fragmentation or cached free blocks.
+    CUDA: the caching allocator's high-water mark above what was allocated before the call (so other models and
+    optimizers alive in the process are not counted), plus `persistent_bytes`. CPU has no allocator statistics, so
+    the profiler's memory timeline (every tensor allocation and free, as seen by torch) is replayed and its running
+    sum's maximum taken. Both count tensor storage only: not the Python heap, not allocator fragmentation or cached
+    free blocks.
     """
     if device.type == "cuda":
         synchronize(device)
+        before = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
         run()
         synchronize(device)
-        return torch.cuda.max_memory_allocated(device)
+        return persistent_bytes + torch.cuda.max_memory_allocated(device) - before
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         run()
     sign = {Action.CREATE: 1, Action.DESTROY: -1}

@@ -65,18 +65,14 @@ HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revis
 
 
 class ScaledWordEmbedding(nn.Embedding):
-    """Token embedding multiplied by sqrt(d_model) (§3.4), refusing ids outside the vocabulary (on a GPU an
-    out-of-bounds read would otherwise be silent, on a CPU an opaque IndexError)."""
+    """Token embedding multiplied by sqrt(d_model) (§3.4)."""
 
     def __init__(self, config: VanillaTransformerConfig):
         super().__init__(config.vocab_size, config.d_model, padding_idx=config.pad_token_id)
         self.embed_scale = config.d_model**0.5 if config.scale_embedding else 1.0
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        # The lookup checks the ids itself, at no cost: on an accelerator its kernel asserts on the device, on a CPU it
-        # raises here (an IndexError that names nothing, replaced).
-        with raises_value_error(IndexError, f"Token ids must be in [0, vocab_size={self.num_embeddings})"):
-            return super().forward(input_ids) * self.embed_scale
+        return super().forward(input_ids) * self.embed_scale
 
 
 class VanillaTransformerPreTrainedModel(PreTrainedModel):
@@ -259,7 +255,12 @@ class VanillaTransformerStack(VanillaTransformerPreTrainedModel):
             raise ValueError(f"Pass exactly one of input_ids or inputs_embeds to the {type(self).__name__}.")
         check_stack_inputs(input_ids, inputs_embeds, self.config.d_model, self.argument_prefix)
         if inputs_embeds is None:
-            inputs_embeds = self.embed_tokens(input_ids)
+            # The lookup checks the ids itself, at no cost: on an accelerator its kernel asserts on the device, on a
+            # CPU it raises an IndexError that names nothing, replaced here.
+            name = "decoder_input_ids (or the labels shifted into them)" if self.argument_prefix else "input_ids"
+            vocab_size = self.config.vocab_size
+            with raises_value_error(IndexError, f"{name} holds an id outside the vocabulary [0, {vocab_size})"):
+                inputs_embeds = self.embed_tokens(input_ids)
         check_position_ids(position_ids, *inputs_embeds.shape[:2])
         if position_ids is None and sequences is not None:
             position_ids = sequences.positions(inputs_embeds.shape[1])

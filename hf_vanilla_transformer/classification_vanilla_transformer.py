@@ -74,6 +74,10 @@ class SingleStackTaskHead(VanillaTransformerPreTrainedModel):
     """What the task heads share: `self.model`, the encoder or the causal decoder that the config names, and one run
     of it that also returns the MoE router losses the head's loss must carry."""
 
+    # A head with one output per sequence cannot take a flattened batch (packing_vanilla_transformer): it would pool
+    # across texts.
+    outputs_per_sequence = False
+
     def __init__(self, config: VanillaTransformerConfig):
         config = config.for_single_stack("decoder" if runs_causal_decoder(config) else "encoder")
         super().__init__(config)
@@ -97,6 +101,11 @@ class SingleStackTaskHead(VanillaTransformerPreTrainedModel):
     ) -> tuple[MoeEncoderOutput, RouterLosses | None]:
         """The stack's outputs, and the router losses of its MoE layers (None when not computed): see
         `RouterRequest` for when, given the `labels` (None without a loss)."""
+        if self.outputs_per_sequence and kwargs.get("cu_seq_lens_q") is not None:
+            raise ValueError(
+                f"{type(self).__name__} has one output per sequence and cannot take a flattened batch "
+                "(cu_seq_lens_q/k): pass the sequences padded, with an attention_mask."
+            )
         router = RouterRequest.of(self.config, labels, output_router_logits)
         if self.config.is_decoder:
             # One pass over the whole input, no cache to fill; positions restart at each row's first token.
@@ -162,6 +171,7 @@ class VanillaTransformerForSequenceClassification(ClassifierHead):
     (GPT-style) it is the last real token's state, the only one that has read the whole input."""
 
     output_class = SequenceClassifierOutput
+    outputs_per_sequence = True
 
     def classified_states(
         self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None, input_ids: torch.Tensor | None
@@ -209,6 +219,8 @@ class VanillaTransformerForTokenClassification(ClassifierHead):
 class VanillaTransformerForQuestionAnswering(SingleStackTaskHead):
     """Extractive question answering (BERT §4.2): a start and an end score per token of "question [SEP] context";
     the answer is the best-scoring span."""
+
+    outputs_per_sequence = True
 
     def __init__(self, config: VanillaTransformerConfig):
         super().__init__(config)

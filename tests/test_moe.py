@@ -41,7 +41,6 @@ from hf_vanilla_transformer.moe_vanilla_transformer import (
     within_capacity,
 )
 from hf_vanilla_transformer.norms_vanilla_transformer import SublayerConnection
-from hf_vanilla_transformer.packing_vanilla_transformer import PackedTokens
 
 
 def moe_config(**overrides):
@@ -333,34 +332,28 @@ def test_capacity_bounds_each_expert_and_dropped_tokens_keep_their_residual(expe
     with torch.no_grad():
         moe.gate.weight[0] += 2.0  # crowd expert 0, so that some tokens overflow
     hidden = torch.randn(2, 12, 32)
-    padding_mask = torch.ones(2, 12, dtype=torch.long)
-    padding_mask[1, 8:] = 0
     residual = SublayerConnection(moe_config(norm_position="pre"))  # x + MoE(LayerNorm(x))
     normed = residual.norm(hidden)
     processed = []
     moe.experts.register_forward_hook(lambda module, args, output: processed.append(args[1]))
-    tokens_of_batch = PackedTokens.of(padding_mask)
-    output = moe(normed, tokens_of_batch).reshape(-1, 32)
+    output = moe(normed).reshape(-1, 32)
 
-    tokens = int(padding_mask.sum())
-    capacity = expert_capacity(tokens, top_k=2, num_experts=4, capacity_factor=0.5)
-    assert capacity == math.ceil(0.5 * 20 * 2 / 4)
+    capacity = expert_capacity(24, top_k=2, num_experts=4, capacity_factor=0.5)
+    assert capacity == math.ceil(0.5 * 24 * 2 / 4)
     assert torch.bincount(processed[0].flatten(), minlength=4).max() <= capacity
 
-    # Independent count of the dropped assignments: what overflows each expert among the real tokens.
+    # Independent count of the dropped assignments: what overflows each expert.
     _, _, top_k_index = moe.gate(normed.reshape(-1, 32))
-    real = top_k_index[padding_mask.reshape(-1).bool()]
-    overflow = sum(max(0, int((real == e).sum()) - capacity) for e in range(4))
+    overflow = sum(max(0, int((top_k_index == e).sum()) - capacity) for e in range(4))
     assert overflow > 0 and moe.dropped_tokens == overflow
     assert dropped_token_counts(moe) == {"": overflow}
 
-    # Tokens that lost every expert (and padding) get no FFN output, so the pre-norm residual leaves them unchanged.
-    kept = torch.zeros_like(top_k_index, dtype=torch.bool)
-    kept[padding_mask.reshape(-1).bool()] = within_capacity(real, 4, capacity)
+    # Tokens that lost every expert get no FFN output, so the pre-norm residual leaves them unchanged.
+    kept = within_capacity(top_k_index, 4, capacity)
     skipped = ~kept.any(dim=-1)
-    assert skipped.sum() > 4  # the 4 padding tokens and some crowded-out real ones
+    assert skipped.sum() > 0
     assert torch.equal(output[skipped], torch.zeros_like(output[skipped]))
-    after = residual(hidden, lambda x: moe(x, tokens_of_batch)).reshape(-1, 32)
+    after = residual(hidden, moe).reshape(-1, 32)
     assert torch.equal(after[skipped], hidden.reshape(-1, 32)[skipped])
     # Tokens that kept all their experts get exactly the dropless output.
     dropless = block(experts_implementation, norm_position="pre")
@@ -440,11 +433,10 @@ def test_causal_lm_with_experts_returns_aux_and_z_loss():
     input_ids, attention_mask = padded_batch()
     out = model(input_ids=input_ids, attention_mask=attention_mask, labels=input_ids, output_router_logits=True)
     assert len(out.router_logits) == 2
-    # Padding and each row's last position are left out: the loss reads no prediction made there.
-    balanced = attention_mask.clone()
-    balanced[:, -1] = 0
-    torch.testing.assert_close(out.aux_loss, load_balancing_loss(out.router_logits, model.config, balanced))
-    torch.testing.assert_close(out.z_loss, router_z_loss(out.router_logits, balanced))
+    # Every position is routed; the router losses count the tokens of the attention mask, padding left out.
+    assert all(logits.shape == (input_ids.numel(), 4) for logits in out.router_logits)
+    torch.testing.assert_close(out.aux_loss, load_balancing_loss(out.router_logits, model.config, attention_mask))
+    torch.testing.assert_close(out.z_loss, router_z_loss(out.router_logits, attention_mask))
     out.loss.backward()
     assert model.model.layers[0].mlp.gate.weight.grad.abs().sum() > 0
 

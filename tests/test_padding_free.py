@@ -1,18 +1,29 @@
-"""Padding-free layers (`config.padding_free`): the same function as the padded computation, with less work."""
+"""Padding-free batches (packing_vanilla_transformer): a batch laid end to end with its layout, built on the CPU by
+the collator, computes what the padded batch computes at every real token, with no work on padding and no host sync.
+
+The references are independent of the packed path: the same sentences padded as transformers' collators pad them
+(run through masks and SDPA), and attention computed one sequence at a time with torch's SDPA.
+"""
 
 import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import tiny_config
+from test_accelerator_path import SyncCounter
+from transformers import DataCollatorWithFlattening
 
 from hf_vanilla_transformer import (
+    DataCollatorForSeq2SeqWithFlattening,
     VanillaTransformerForCausalLM,
     VanillaTransformerForConditionalGeneration,
+    VanillaTransformerForMaskedLM,
+    VanillaTransformerForQuestionAnswering,
     VanillaTransformerForSequenceClassification,
+    VanillaTransformerForTokenClassification,
 )
-from hf_vanilla_transformer.moe_vanilla_transformer import dropped_token_counts
-from hf_vanilla_transformer.packing_vanilla_transformer import PackedTokens, positions_the_loss_needs
+from hf_vanilla_transformer.packing_vanilla_transformer import Sequences, packed_attention
 
 VARIANTS = {
     "paper": {},
@@ -24,261 +35,232 @@ VARIANTS = {
         num_key_value_heads=2,
     ),
     "learned-positions-eager": dict(position_embedding_type="learned", attn_implementation="eager"),
-    # Capacity-limited experts: the same tokens must compete for the same room, packed or not.
-    "moe-capacity-shared": dict(
-        num_experts=4, num_experts_per_tok=2, ffn_type="swiglu", expert_capacity_factor=1.0, num_shared_experts=1
-    ),
+    "moe-shared-experts": dict(num_experts=4, num_experts_per_tok=2, ffn_type="swiglu", num_shared_experts=1),
 }
+SOURCE_LENGTHS, TARGET_LENGTHS = (9, 3, 6), (7, 2, 5)
 
 
-def padded_pair(model_class, **overrides):
-    """The same weights twice: padding-free (the default) and padded (`padding_free=False`)."""
+def build(model_class, **overrides):
     attn_implementation = overrides.pop("attn_implementation", "sdpa")
     torch.manual_seed(0)
-    packed = model_class._from_config(tiny_config(**overrides), attn_implementation=attn_implementation)
-    padded = copy.deepcopy(packed)
-    for module in padded.modules():
-        if hasattr(module, "config"):
-            module.config.padding_free = False
-    return packed, padded
+    return model_class._from_config(tiny_config(**overrides), attn_implementation=attn_implementation).train()
 
 
-def translation_batch():
-    """Source padding in two rows; label padding (-100) at the end of two rows and in the middle of one."""
-    generator = torch.Generator().manual_seed(1)
-    source = torch.randint(3, 64, (3, 9), generator=generator)
-    source_mask = torch.ones_like(source)
-    source_mask[0, 6:] = 0
-    source_mask[2, 2:] = 0
-    labels = torch.randint(3, 64, (3, 7), generator=generator)
-    labels[1, 4:] = -100
-    labels[2, 1:] = -100
-    labels[0, 2] = -100
-    return source, source_mask, labels
+def sentences(lengths: tuple[int, ...], seed: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 64, (length,), generator=generator).tolist() for length in lengths]
 
 
-def test_packed_tokens_round_trip_and_skip_full_masks():
-    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
-    packing = PackedTokens.of(mask)
-    values = torch.arange(6.0).view(2, 3, 1)
-    assert packing.pack(values).flatten().tolist() == [0.0, 1.0, 3.0]
-    assert packing.unpack(packing.pack(values)).flatten().tolist() == [0.0, 1.0, 0.0, 3.0, 0.0, 0.0]
-    assert PackedTokens.of(torch.ones(2, 3)) is None  # nothing to skip
-    assert PackedTokens.of(None) is None
-    assert PackedTokens.of(torch.ones(2, 1, 3, 3)) is None  # a 4D mask is taken as built by the caller
+def translation_features() -> list[dict]:
+    pairs = zip(sentences(SOURCE_LENGTHS, 1), sentences(TARGET_LENGTHS, 2))
+    return [{"input_ids": source, "labels": target} for source, target in pairs]
 
 
-def test_positions_the_loss_needs():
-    labels = torch.tensor([[-100, 5, 6, -100], [-100, -100, -100, -100], [5, 6, 7, 8]])
-    expected = [[True, True, True, False], [False, False, False, False], [True, True, True, True]]
-    assert positions_the_loss_needs(labels != -100, None).tolist() == expected
-    # Left padding is skipped, but a counted position is computed even where the attention mask hides it.
-    attention_mask = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1], [0, 0, 1, 1]])
-    expected = [[False, True, True, False], [False, False, False, False], [True, True, True, True]]
-    assert positions_the_loss_needs(labels != -100, attention_mask).tolist() == expected
+def padded(sequences: list[list[int]], value: int) -> torch.Tensor:
+    longest = max(map(len, sequences))
+    return torch.tensor([sequence + [value] * (longest - len(sequence)) for sequence in sequences])
 
 
-@pytest.mark.parametrize("variant", VARIANTS, ids=list(VARIANTS))
-def test_training_step_equals_the_padded_computation(variant):
-    packed, padded = padded_pair(VanillaTransformerForConditionalGeneration, **VARIANTS[variant])
-    source, source_mask, labels = translation_batch()
-    outputs = {}
-    for name, model in (("packed", packed), ("padded", padded)):
-        model.train()  # dropout is 0 in tiny_config, so both steps are deterministic
-        outputs[name] = model(input_ids=source, attention_mask=source_mask, labels=labels)
-        outputs[name].loss.backward()
-    torch.testing.assert_close(outputs["packed"].loss, outputs["padded"].loss, rtol=0, atol=1e-6)
-    if packed.config.num_experts:  # balancing and z losses over the same rows, and the same dropped assignments
-        for field in ("encoder_aux_loss", "decoder_aux_loss", "encoder_z_loss", "decoder_z_loss"):
-            torch.testing.assert_close(getattr(outputs["packed"], field), getattr(outputs["padded"], field))
-        assert dropped_token_counts(packed) == dropped_token_counts(padded)
-    for (name, p_packed), p_padded in zip(packed.named_parameters(), padded.parameters()):
-        torch.testing.assert_close(p_packed.grad, p_padded.grad, rtol=1e-5, atol=1e-6, msg=name)
-    counted = labels != -100
-    packed_logits, padded_logits = outputs["packed"].logits, outputs["padded"].logits
-    assert packed_logits.shape == padded_logits.shape
-    torch.testing.assert_close(packed_logits[counted], padded_logits[counted], rtol=1e-5, atol=1e-5)
-    assert packed_logits[~counted].abs().max() == 0  # not computed: only counted labels need logits in training
+def padded_translation_batch(features: list[dict], model) -> dict:
+    """As transformers' DataCollatorForSeq2Seq pads (plus the target mask, so that the MoE losses of both layouts
+    count the same tokens)."""
+    sources = [feature["input_ids"] for feature in features]
+    targets = [feature["labels"] for feature in features]
+    labels = padded(targets, -100)
+    return dict(
+        input_ids=padded(sources, 0),
+        attention_mask=padded([[1] * len(source) for source in sources], 0),
+        labels=labels,
+        decoder_input_ids=model.prepare_decoder_input_ids_from_labels(labels),
+        decoder_attention_mask=padded([[1] * len(target) for target in targets], 0),
+    )
 
 
-@pytest.mark.parametrize("variant", VARIANTS, ids=list(VARIANTS))
-def test_inference_equals_the_padded_computation_at_real_tokens(variant):
-    packed, padded = padded_pair(VanillaTransformerForConditionalGeneration, **VARIANTS[variant])
-    source, source_mask, labels = translation_batch()
-    decoder_mask = positions_the_loss_needs(labels != -100, None).long()
-    decoder_input_ids = packed.prepare_decoder_input_ids_from_labels(labels)
+def loss_and_gradients(model, batch: dict) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    model.zero_grad()
+    loss = model(**batch).loss
+    loss.backward()
+    return loss.detach(), [parameter.grad.clone() for parameter in model.parameters() if parameter.grad is not None]
+
+
+def assert_same_step(model, batch: dict, reference: dict) -> None:
+    loss, gradients = loss_and_gradients(model, batch)
+    expected_loss, expected_gradients = loss_and_gradients(model, reference)
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=1e-6)
+    assert len(gradients) == len(expected_gradients)
+    for gradient, expected in zip(gradients, expected_gradients):
+        torch.testing.assert_close(gradient, expected, rtol=1e-4, atol=1e-6)
+
+
+def test_collator_lays_sources_and_targets_end_to_end():
+    """Sources and targets each concatenated, with their offsets, longest lengths and per-sequence positions; each
+    target's decoder input is its own labels shifted behind the start token (-100 becomes the pad token)."""
+    features = [{"input_ids": [5, 6, 7], "labels": [8, 9]}, {"input_ids": [10], "labels": [11, -100, 12]}]
+    batch = DataCollatorForSeq2SeqWithFlattening(decoder_start_token_id=1, pad_token_id=0)(features)
+    assert batch["input_ids"].tolist() == [[5, 6, 7, 10]]
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 0]]
+    assert batch["labels"].tolist() == [[8, 9, 11, -100, 12]]
+    assert batch["decoder_input_ids"].tolist() == [[1, 8, 1, 11, 0]]
+    assert batch["decoder_position_ids"].tolist() == [[0, 1, 0, 1, 2]]
+    assert batch["cu_seq_lens_k"].tolist() == [0, 3, 4] and batch["max_length_k"] == 3
+    assert batch["cu_seq_lens_q"].tolist() == [0, 2, 5] and batch["max_length_q"] == 3
+    assert batch["cu_seq_lens_k"].dtype == torch.int32 and isinstance(batch["max_length_q"], int)
+
+
+def test_collator_keeps_the_padded_layout_when_nothing_is_padded():
+    """Equal lengths leave nothing to skip: the plain (batch, length) layout, without masks or offsets."""
+    features = [{"input_ids": [5, 6], "labels": [8, 9, 10]}, {"input_ids": [11, 12], "labels": [13, 14, 15]}]
+    batch = DataCollatorForSeq2SeqWithFlattening(decoder_start_token_id=1, pad_token_id=0)(features)
+    assert set(batch) == {"input_ids", "labels", "decoder_input_ids"}
+    assert batch["decoder_input_ids"].tolist() == [[1, 8, 9], [1, 13, 14]]
+
+
+def test_collator_needs_the_special_tokens_and_non_empty_features():
+    with pytest.raises(ValueError, match="decoder_start_token_id"):
+        DataCollatorForSeq2SeqWithFlattening(pad_token_id=0)
+    collator = DataCollatorForSeq2SeqWithFlattening(decoder_start_token_id=1, pad_token_id=0)
+    with pytest.raises(ValueError, match="at least one"):
+        collator([{"input_ids": [], "labels": [3]}, {"input_ids": [4], "labels": [5, 6]}])
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_flattened_translation_step_equals_the_padded_step(variant):
+    """Loss and every gradient of a training step on the flattened batch equal those of the padded batch: the
+    position-wise layers never see the padding, attention runs within each sequence, the loss counts the same
+    tokens (MoE: the router losses too)."""
+    model = build(VanillaTransformerForConditionalGeneration, **VARIANTS[variant])
+    features = translation_features()
+    flattened = DataCollatorForSeq2SeqWithFlattening(model)(features)
+    assert flattened["input_ids"].shape == (1, sum(SOURCE_LENGTHS))
+    assert_same_step(model, flattened, padded_translation_batch(features, model))
+
+
+def test_flattened_translation_derives_decoder_inputs_and_positions():
+    """Without decoder_input_ids and position ids the model shifts the flattened labels per sequence and restarts
+    the positions at each sequence, as the collator does."""
+    model = build(VanillaTransformerForConditionalGeneration, position_embedding_type="learned")
+    batch = DataCollatorForSeq2SeqWithFlattening(model)(translation_features())
+    minimal = {key: value for key, value in batch.items() if "position_ids" not in key and key != "decoder_input_ids"}
+    assert_same_step(model, minimal, batch)
+
+
+def causal_lm_batches(lengths=(7, 3, 5)) -> tuple[dict, dict]:
+    """transformers' DataCollatorWithFlattening output, and the same texts right-padded with labels -100 there."""
+    texts = sentences(lengths, 3)
+    flattened = DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_position_ids=True)(
+        [{"input_ids": text} for text in texts]
+    )
+    mask = padded([[1] * len(text) for text in texts], 0)
+    input_ids = padded(texts, 0)
+    return flattened, dict(input_ids=input_ids, attention_mask=mask, labels=input_ids.masked_fill(mask == 0, -100))
+
+
+@pytest.mark.parametrize("variant", ["paper", "pre-rmsnorm-rope-swiglu-gqa", "moe-shared-experts"])
+def test_transformers_flattening_collator_trains_the_causal_lm_as_the_padded_batch(variant):
+    """The causal LM takes `DataCollatorWithFlattening(return_flash_attn_kwargs=True)` as it is: the same loss and
+    gradients as the padded batch (each sequence's first label is -100, so no position predicts the next text)."""
+    overrides = dict(VARIANTS[variant], is_encoder_decoder=False, is_decoder=True)
+    model = build(VanillaTransformerForCausalLM, **overrides)
+    assert_same_step(model, *causal_lm_batches())
+
+
+@pytest.mark.parametrize("model_class", [VanillaTransformerForMaskedLM, VanillaTransformerForTokenClassification])
+def test_flattened_encoder_outputs_equal_the_padded_ones_at_every_token(model_class):
+    """Per-token heads on the bidirectional encoder: each token's logits are those of its padded row."""
+    model = build(model_class, is_encoder_decoder=False).eval()
+    flattened, padded_batch = causal_lm_batches()
+    del flattened["labels"], padded_batch["labels"]
     with torch.no_grad():
-        packed_out, padded_out = (
-            model.eval()(
-                input_ids=source,
-                attention_mask=source_mask,
-                decoder_input_ids=decoder_input_ids,
-                decoder_attention_mask=decoder_mask,
-            )
-            for model in (packed, padded)
-        )
-    real_source, real_target = source_mask.bool(), decoder_mask.bool()
-    torch.testing.assert_close(
-        packed_out.encoder_last_hidden_state[real_source], padded_out.encoder_last_hidden_state[real_source]
-    )
-    assert packed_out.encoder_last_hidden_state[~real_source].abs().max() == 0
-    torch.testing.assert_close(packed_out.logits[real_target], padded_out.logits[real_target], rtol=1e-5, atol=1e-5)
+        packed_logits = model(**flattened).logits[0]
+        padded_logits = model(**padded_batch).logits
+    torch.testing.assert_close(packed_logits, padded_logits[padded_batch["attention_mask"].bool()])
 
 
-def test_padding_free_skips_the_padding_in_every_linear_map():
-    """The work is really skipped: every linear map of both stacks, and the vocabulary projection, sees the real
-    tokens only."""
-    packed, _ = padded_pair(VanillaTransformerForConditionalGeneration)
-    source, source_mask, labels = translation_batch()
-    rows_seen = {}
-
-    def record(name):
-        def hook(module, args, output):
-            rows_seen[name] = args[0].shape[:-1].numel()
-
-        return hook
-
-    for name, module in packed.named_modules():
-        if isinstance(module, torch.nn.Linear) and "k_proj" not in name and "v_proj" not in name:
-            module.register_forward_hook(record(name))
-    packed.train()(input_ids=source, attention_mask=source_mask, labels=labels)
-    real_source = int(source_mask.sum())
-    real_target = int(positions_the_loss_needs(labels != -100, None).sum())
-    assert {rows for name, rows in rows_seen.items() if name.startswith("model.encoder.")} == {real_source}
-    decoder_rows = {rows for name, rows in rows_seen.items() if name.startswith("model.decoder.")}
-    assert decoder_rows == {real_target}
-    assert rows_seen["lm_head"] == int((labels != -100).sum())
-    assert real_source < source.numel() and real_target < labels.numel()
+@pytest.mark.parametrize(
+    "model_class", [VanillaTransformerForSequenceClassification, VanillaTransformerForQuestionAnswering]
+)
+def test_pooling_heads_refuse_a_flattened_batch(model_class):
+    """A head with one output per sequence would pool across the texts of a flattened batch: refused."""
+    model = build(model_class, is_encoder_decoder=False)
+    flattened = causal_lm_batches()[0]
+    del flattened["labels"]
+    with pytest.raises(ValueError, match="flattened"):
+        model(**flattened)
 
 
-def test_cross_attention_projects_the_real_source_tokens_only():
-    packed, _ = padded_pair(VanillaTransformerForConditionalGeneration)
-    source, source_mask, labels = translation_batch()
-    rows = []
-    packed.model.decoder.layers[0].encoder_attn.k_proj.register_forward_hook(
-        lambda module, args, output: rows.append(args[0].shape[0])
-    )
-    packed.train()(input_ids=source, attention_mask=source_mask, labels=labels)
-    assert rows == [int(source_mask.sum())]
-
-
-def test_generation_and_hidden_states_are_unchanged():
-    packed, padded = padded_pair(VanillaTransformerForConditionalGeneration)
-    source, source_mask, _ = translation_batch()
-    options = dict(attention_mask=source_mask, max_new_tokens=6, min_new_tokens=6, do_sample=False)
-    for num_beams in (1, 3):
-        assert torch.equal(
-            packed.eval().generate(source, num_beams=num_beams, **options),
-            padded.eval().generate(source, num_beams=num_beams, **options),
-        )
-    with torch.no_grad():  # all hidden states asked for: the layers keep the padded shape
-        states = packed(
-            input_ids=source, attention_mask=source_mask, decoder_input_ids=source[:, :4], output_hidden_states=True
-        ).encoder_hidden_states
-    assert all(state.shape == (*source.shape, packed.config.d_model) for state in states)
-
-
-def test_gradient_checkpointing_with_packed_layers():
-    packed, padded = padded_pair(VanillaTransformerForConditionalGeneration)
-    packed.gradient_checkpointing_enable()
-    source, source_mask, labels = translation_batch()
-    for model in (packed, padded):
-        model.train()(input_ids=source, attention_mask=source_mask, labels=labels).loss.backward()
-    for p_packed, p_padded in zip(packed.parameters(), padded.parameters()):
-        torch.testing.assert_close(p_packed.grad, p_padded.grad, rtol=1e-5, atol=1e-6)
-
-
-@pytest.mark.parametrize("model_class", [VanillaTransformerForCausalLM, VanillaTransformerForSequenceClassification])
-def test_single_stack_heads_equal_the_padded_computation(model_class):
-    packed, padded = padded_pair(model_class)
-    source, source_mask, _ = translation_batch()
-    labels = torch.tensor([0, 1, 1]) if model_class is VanillaTransformerForSequenceClassification else source
+def reference_attention(query, key, value, queries, keys, causal, scale):
+    """Attention one sequence at a time, torch's SDPA on each slice: (tokens, heads, head_dim) layouts."""
     outputs = []
-    for model in (packed, padded):
-        outputs.append(model.train()(input_ids=source, attention_mask=source_mask, labels=labels))
-        outputs[-1].loss.backward()
-    torch.testing.assert_close(outputs[0].loss, outputs[1].loss, rtol=0, atol=1e-6)
-    for p_packed, p_padded in zip(packed.parameters(), padded.parameters()):
-        torch.testing.assert_close(p_packed.grad, p_padded.grad, rtol=1e-5, atol=1e-6)
+    q_offsets, k_offsets = queries.tolist(), keys.tolist()
+    for index in range(len(q_offsets) - 1):
+        q = query[q_offsets[index] : q_offsets[index + 1]].transpose(0, 1)
+        k = key[k_offsets[index] : k_offsets[index + 1]].transpose(0, 1)
+        v = value[k_offsets[index] : k_offsets[index + 1]].transpose(0, 1)
+        k, v = (x.repeat_interleave(q.shape[0] // k.shape[0], dim=0) for x in (k, v))
+        outputs.append(F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale).transpose(0, 1))
+    return torch.cat(outputs)
 
 
-def test_causal_lm_with_given_shift_labels_equals_the_padded_computation():
-    """Labels already shifted by the caller (transformers' `shift_labels`, as under context parallelism) are packed
-    the same way, including targets predicted from padding."""
-    packed, padded = padded_pair(VanillaTransformerForCausalLM)
-    source, source_mask, _ = translation_batch()
-    shift_labels = torch.nn.functional.pad(source[:, 1:], (0, 1), value=-100)
-    losses = [
-        model.train()(input_ids=source, attention_mask=source_mask, labels=source, shift_labels=shift_labels).loss
-        for model in (packed, padded)
-    ]
-    torch.testing.assert_close(losses[0], losses[1], rtol=0, atol=1e-6)
-
-
-@pytest.mark.parametrize("with_attention_mask", [False, True])
-def test_moe_causal_lm_balances_the_same_tokens_packed_or_not(with_attention_mask):
-    """Labels ignored at the end of rows narrow what the decoder computes; the router statistics must then count the
-    same rows in both computations."""
-    packed, padded = padded_pair(VanillaTransformerForCausalLM, num_experts=4, num_experts_per_tok=2, ffn_type="swiglu")
-    input_ids = torch.randint(3, 64, (3, 8), generator=torch.Generator().manual_seed(0))
-    labels = input_ids.clone()
-    labels[1, 5:], labels[2, 3:] = -100, -100
-    attention_mask = torch.ones_like(input_ids)
-    attention_mask[2, 6:] = 0
-    outputs = [
-        model.train()(
-            input_ids=input_ids, attention_mask=attention_mask if with_attention_mask else None, labels=labels
-        )
-        for model in (packed, padded)
-    ]
-    torch.testing.assert_close(outputs[0].aux_loss, outputs[1].aux_loss)
-    torch.testing.assert_close(outputs[0].z_loss, outputs[1].z_loss)
-    torch.testing.assert_close(outputs[0].loss, outputs[1].loss, rtol=0, atol=1e-6)
-
-
-@pytest.mark.parametrize("variant", ["paper", "moe-capacity-shared"])
-def test_padded_computation_returns_zeros_at_the_padding_too(variant):
-    """Every path gives the same value at every position, padding included (0): padding-free layers, the padded
-    computation (also what torch.compile and torch.export run), so outputs of any two paths compare exactly."""
-    packed, padded = padded_pair(VanillaTransformerForConditionalGeneration, **VARIANTS[variant])
-    source, source_mask, labels = translation_batch()
-    decoder_mask = positions_the_loss_needs(labels != -100, None).long()
-    inputs = dict(
-        input_ids=source,
-        attention_mask=source_mask,
-        decoder_input_ids=packed.prepare_decoder_input_ids_from_labels(labels),
-        decoder_attention_mask=decoder_mask,
-    )
-    with torch.no_grad():
-        packed_out, padded_out = (model.eval().model(**inputs) for model in (packed, padded))
-    assert padded_out.encoder_last_hidden_state[source_mask == 0].abs().max() == 0
-    assert padded_out.last_hidden_state[decoder_mask == 0].abs().max() == 0
-    torch.testing.assert_close(packed_out.encoder_last_hidden_state, padded_out.encoder_last_hidden_state)
-    torch.testing.assert_close(packed_out.last_hidden_state, padded_out.last_hidden_state)
-
-
-@pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
-def test_bfloat16_packed_sequences_equal_the_left_padded_batch(attn_implementation):
-    """Sequences packed in one row (position_ids restarting at 0, as `DataCollatorWithFlattening` gives them) and the
-    same sequences as a left-padded batch, in bf16. Every position-wise step is the same arithmetic on the same rows:
-    with eager attention the logits are equal bit for bit. torch's CPU sdpa kernel blocks its sums by the layout, so
-    there they may differ by a step of bf16 rounding relative to the logits' size; with the default N(0, 0.02) init
-    the logits of a new model are small, and the two agree within transformers' common-test tolerance (bf16 epsilon,
-    absolute and relative). Xavier's order-1 logits exceed that absolute tolerance."""
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+@pytest.mark.parametrize("kind", ["causal self", "bidirectional self", "cross", "grouped kv"])
+def test_packed_attention_equals_attention_per_sequence(kind, implementation):
+    """The CPU path of `packed_attention` (scatter, masked SDPA or eager attention, gather) against torch's SDPA run
+    on each sequence alone; cross-attention with other query and key sequences."""
     torch.manual_seed(0)
-    config = tiny_config(is_encoder_decoder=False, attn_implementation=attn_implementation)
-    model = VanillaTransformerForCausalLM._from_config(config, dtype=torch.bfloat16).eval()
-    lengths = [7, 5, 3, 1]
-    input_ids = torch.randint(3, 64, (len(lengths), 7), generator=torch.Generator().manual_seed(0))
-    attention_mask = (torch.arange(7) >= 7 - torch.tensor(lengths)[:, None]).long()  # left padding
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    packed_positions = torch.cat([torch.arange(length) for length in lengths])[None]
-    with torch.no_grad():
-        padded = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
-        packed = model(input_ids=input_ids[attention_mask.bool()][None], position_ids=packed_positions).logits[0]
-    padded = padded[attention_mask.bool()]
-    if attn_implementation == "eager":
-        assert torch.equal(packed, padded)
+    model = build(VanillaTransformerForConditionalGeneration, attn_implementation=implementation)
+    module = (
+        model.model.decoder.layers[0].self_attn if kind == "causal self" else model.model.encoder.layers[0].self_attn
+    )
+    queries = torch.tensor([0, 4, 5, 11], dtype=torch.int32)
+    keys = torch.tensor([0, 2, 9, 12], dtype=torch.int32) if kind == "cross" else queries
+    heads, kv_heads = 4, 2 if kind == "grouped kv" else 4
+    query = torch.randn(int(queries[-1]), heads, 8)
+    key, value = torch.randn(2, int(keys[-1]), kv_heads, 8)
+    module.num_key_value_groups = heads // kv_heads
+    output, _ = packed_attention(
+        module,
+        *(tensor.transpose(0, 1)[None] for tensor in (query, key, value)),
+        None,
+        scaling=0.3,
+        cu_seq_lens_q=queries,
+        cu_seq_lens_k=keys,
+        max_length_q=int((queries[1:] - queries[:-1]).max()),
+        max_length_k=int((keys[1:] - keys[:-1]).max()),
+    )
+    expected = reference_attention(query, key, value, queries, keys, kind == "causal self", 0.3)
+    torch.testing.assert_close(output[0], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_sequences_positions_and_padded_index():
+    sequences = Sequences(torch.tensor([0, 3, 4, 6], dtype=torch.int32), max_length=3)
+    assert sequences.positions(6).tolist() == [[0, 1, 2, 0, 0, 1]]
+    assert sequences.padded_index(6).tolist() == [0, 1, 2, 3, 6, 7]
+    assert sequences.lengths.tolist() == [3, 1, 2]
+
+
+@pytest.mark.parametrize("model_class", [VanillaTransformerForConditionalGeneration, VanillaTransformerForCausalLM])
+def test_flattened_training_step_makes_no_host_sync(model_class):
+    """The layout is Python ints and offsets built on the CPU: a training step reads nothing back from the device."""
+    if model_class is VanillaTransformerForCausalLM:
+        model = build(model_class, is_encoder_decoder=False, is_decoder=True)
+        batch = causal_lm_batches()[0]
     else:
-        tolerance = torch.finfo(torch.bfloat16).eps
-        torch.testing.assert_close(packed, padded, rtol=tolerance, atol=tolerance)
+        model = build(model_class)
+        batch = DataCollatorForSeq2SeqWithFlattening(model)(translation_features())
+    model(**batch).loss.backward()  # warm-up
+    with SyncCounter() as counter:
+        model(**batch).loss.backward()
+    assert sum(counter.syncs.values()) == 0, counter.syncs
+
+
+def test_gradient_checkpointing_with_a_flattened_batch():
+    """Recomputed layers get the sequences of their attention again: the same gradients."""
+    model = build(VanillaTransformerForConditionalGeneration)
+    batch = DataCollatorForSeq2SeqWithFlattening(model)(translation_features())
+    expected = loss_and_gradients(model, batch)
+    checkpointed = copy.deepcopy(model)
+    checkpointed.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    loss, gradients = loss_and_gradients(checkpointed, batch)
+    torch.testing.assert_close(loss, expected[0])
+    for gradient, reference in zip(gradients, expected[1]):
+        torch.testing.assert_close(gradient, reference)

@@ -5,7 +5,8 @@
 
 Every comparison times our model and the reference in alternating rounds (median of >= 5) and reports ours/reference:
   * training: tokens/s of forward + backward + AdamW step, against `MarianMTModel` with the same dimensions and the
-    same weights (a small size and the paper's transformer-base), on full rows and on a padded batch, plus MFU = model
+    same weights (a small size and the paper's transformer-base), on full rows and on a padded batch (ours gets the
+    same sentences from its padding-free collator, collated inside its timed step), plus MFU = model
     FLOPs/s of the real tokens over the FLOP/s of one big matmul measured in the same run, and peak training memory;
   * decoding: greedy and beam-4 new tokens/s at batch 1 and 8 through `generate()`;
   * CPU decoding (`--sections cpu_decode`): HF Marian, ours through `optimize_for_cpu_inference` (float32, bfloat16,
@@ -34,6 +35,8 @@ from measure import (
     write_results,
 )
 from moe_layer import moe_section
+
+from hf_vanilla_transformer import DataCollatorForSeq2SeqWithFlattening
 
 
 @dataclass
@@ -114,22 +117,36 @@ def training_section(size: str, batch: int, length: int, padded: bool, settings:
         random_batch(ours.config.vocab_size, batch, length, settings.device, seed=4), target_lengths, -100
     )
     attention_mask = (source != pad).long()
+    # Ours trains on the same sentences laid end to end by its collator (padding-free), collated inside its timed
+    # step, as a data loader without workers would; Marian gets the padded tensors ready-made.
+    features = [
+        {"input_ids": row[:length].tolist(), "labels": target[:target_length].tolist()}
+        for row, length, target, target_length in zip(source.cpu(), source_lengths, labels.cpu(), target_lengths)
+    ]
+    collator = DataCollatorForSeq2SeqWithFlattening(ours)
 
-    def make_step(model):
+    def our_batch() -> dict:
+        batch = collator(features)
+        return {key: value.to(settings.device) if torch.is_tensor(value) else value for key, value in batch.items()}
+
+    def marian_batch() -> dict:
+        return dict(input_ids=source, attention_mask=attention_mask, labels=labels)
+
+    def make_step(model, batch_of):
         model.train()
         # fused AdamW: one kernel over all parameters, what a speed-conscious user picks (same for both models).
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
 
         def step():
-            loss = model(input_ids=source, attention_mask=attention_mask, labels=labels).loss
+            loss = model(**batch_of()).loss
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
         return step, optimizer
 
-    step_ours, optimizer_ours = make_step(ours)
-    step_marian, optimizer_marian = make_step(marian)
+    step_ours, optimizer_ours = make_step(ours, our_batch)
+    step_marian, optimizer_marian = make_step(marian, marian_batch)
     timing = time_alternating(step_ours, step_marian, settings.repeats, settings.device, settings.clock)
 
     def peak(model, step, optimizer):  # after the timed steps, so the optimizer state exists

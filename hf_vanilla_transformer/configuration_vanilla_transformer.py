@@ -177,7 +177,8 @@ class VanillaTransformerConfig(PreTrainedConfig):
     # The base of the rotary wavelengths 2pi theta^(2i/d): below 1 they would shrink with i.
     rope_theta: float | int = interval(min=1.0, max=math.inf, exclude_max=True)(default=10000.0)
     scale_embedding: bool = True  # multiply token embeddings by sqrt(d_model) (§3.4)
-    padding_free: bool = True  # layers skip padding tokens (packing_vanilla_transformer); same outputs, less work
+    # The training scripts lay batches end to end (packing_vanilla_transformer): same outputs, no work on padding.
+    padding_free: bool = True
     share_encoder_decoder_embeddings: bool = True  # one source/target embedding (§3.4)
     tie_word_embeddings: bool = True  # pre-softmax projection = target embedding (§3.4)
 
@@ -199,9 +200,9 @@ class VanillaTransformerConfig(PreTrainedConfig):
     classifier_pooling: ClassifierPooling = "mean"
     # Weight init (the paper fixes none). "normal": N(0, initializer_range) for linears and embeddings (BERT, GPT-2,
     # Marian, Llama); "xavier": Xavier-uniform linears and N(0, 1/d_model) embeddings (torch's nn.Transformer,
-    # fairseq). "normal" translated better in 9 of 10 paired runs of benchmarks/init_study.py and on Multi30k; the
-    # small single-stack demos learned better with "xavier" (README, Initialization; `image_classification_config`
-    # picks it). DeepNorm keeps its own scaled Xavier init either way; the router is N(0, initializer_range) always.
+    # fairseq). "normal" translated better, the small single-stack models learned better with "xavier"
+    # (docs/benchmarks.md, Initialization). DeepNorm keeps its own scaled Xavier init either way; the router is
+    # N(0, initializer_range) always.
     initialization: Initialization = "normal"
     initializer_range: float | int = interval(min=0.0, max=1.0)(default=0.02)
     use_cache: bool = True

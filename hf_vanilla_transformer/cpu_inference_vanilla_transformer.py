@@ -8,14 +8,14 @@ model = optimize_for_cpu_inference(model, precision="bfloat16")
 
 Decoding one token multiplies a few rows against every weight matrix, so a step's time is set by how fast the
 weights stream from memory. torch's `F.linear` keeps a weight as (out, in) and for a handful of rows (batch x beams)
-reads it below the memory bandwidth; against an (in, out) row-major weight the same product streams it faster (a
-decoding step's Linear layers at 8 rows: 1.5x). So:
+reads it below the memory bandwidth; against an (in, out) row-major weight the same product streams it faster
+(measured in docs/benchmarks.md). So:
 
 * ``"float32"``: every `nn.Linear` keeps its weight values in two memory orders (`PrepackedLinear`), and each call
   takes the one that streams fastest for its number of rows. Below 8 rows (greedy or beam decoding of one sentence)
   `F.linear` multiplies by the weight stored (in, out) row-major. From 8 rows on (a batch of sentences) oneDNN's
-  product on its prepacked copy is faster, because it does not repack the weight on every call (batch-8 greedy
-  decoding of transformer-base: 1.45-1.47x HF Marian). The same arithmetic in another order; the Linear weights take
+  product on its prepacked copy is faster, because it does not repack the weight on every call. The same arithmetic
+  in another order; the Linear weights take
   twice their memory. The tied output projection gets its own copies, so that the embedding lookups keep their
   row-contiguous table.
 * ``"int8"``: the weights of the Linear layers become int8 with one float scale per output channel (symmetric,
@@ -36,6 +36,7 @@ for few-row products in torch on CPU.
 """
 
 import functools
+import math
 from typing import Literal, get_args
 
 import torch
@@ -89,15 +90,20 @@ class PrepackedLinear(nn.Module):
     """`nn.Linear` whose product runs in `dtype` (float32, or bfloat16 with avx512_bf16 where the CPU has it) on the
     same weight in two memory orders: (in, out) row-major for products of fewer than `many_rows` rows, oneDNN's
     prepacked blocks for larger ones. Takes and returns float32, so norms, softmax and the residual stream around it
-    stay float32. The weight is exposed as the usual (out, in) parameter, a transposed view of the row-major copy."""
+    stay float32. The weight is exposed as the usual (out, in) parameter, a transposed view of the row-major copy. On
+    a CPU where oneDNN has no bfloat16 path (no avx512bw/vl/dq or avx_ne_convert), bfloat16 products all read the
+    row-major copy."""
 
     def __init__(self, linear: nn.Linear, dtype: torch.dtype, many_rows: int):
         super().__init__()
         weight = linear.weight.detach().to(dtype)
         self.weight = nn.Parameter(transposed_layout(weight), requires_grad=False)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().to(dtype), requires_grad=False)
-        self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight), persistent=False)
-        self.in_features, self.out_features, self.many_rows = linear.in_features, linear.out_features, many_rows
+        packs = dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight) if packs else None
+        self.register_buffer("packed_weight", packed, persistent=False)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.many_rows = many_rows if packs else math.inf
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         rows = input.to(self.weight.dtype)

@@ -1,13 +1,12 @@
 """Dropout (§5.4), with a cheaper mask on the CPUs where PyTorch samples it one element at a time.
 
 PyTorch draws a CPU dropout mask with MKL's vectorised Bernoulli sampler only on Intel CPUs. On every other CPU (AMD,
-Arm) it takes one Mersenne-Twister draw and one comparison in double precision per element, serially: the 9 dropouts
-of a training step of the small ViT in benchmarks/image_classification.py took ~15 % of it on an AMD EPYC. There
-`Dropout` splits each 64-bit draw of the same generator into two uniform 32-bit integers and keeps an element where
-its integer clears the threshold: the same Bernoulli(1 - p) mask at 2^-32 resolution, scaled by 1 / (1 - p) as
-PyTorch scales it. Forward and backward take 0.55-0.7 of nn.Dropout's time with one thread, 0.45-0.6 with two
-(PyTorch's sampler is serial, the rest parallel; benchmarks/cpu_dropout.py, AMD EPYC). Everywhere else, and under
-torch.compile (which generates its own masks), it is `nn.Dropout`.
+Arm) it takes one Mersenne-Twister draw and one comparison in double precision per element, serially, a noticeable
+share of a small model's training step. There `Dropout` splits each 64-bit draw of the same generator into two
+uniform 32-bit integers and keeps an element where its integer clears the threshold: the same Bernoulli(1 - p) mask at
+2^-32 resolution, scaled by 1 / (1 - p) as PyTorch scales it, in about half the time (docs/benchmarks.md, "Figures
+quoted in the package's docstrings"). Everywhere else, and under torch.compile (which generates its own masks), it
+is `nn.Dropout`.
 """
 
 import functools

@@ -259,7 +259,9 @@ class VanillaTransformerStack(VanillaTransformerPreTrainedModel):
             # CPU it raises an IndexError that names nothing, replaced here.
             name = "decoder_input_ids (or the labels shifted into them)" if self.argument_prefix else "input_ids"
             vocab_size = self.config.vocab_size
-            with raises_value_error(IndexError, f"{name} holds an id outside the vocabulary [0, {vocab_size})"):
+            with raises_value_error(
+                IndexError, f"{name} holds an id outside the vocabulary [0, vocab_size={vocab_size})"
+            ):
                 inputs_embeds = self.embed_tokens(input_ids)
         check_position_ids(position_ids, *inputs_embeds.shape[:2])
         if position_ids is None and sequences is not None:
@@ -394,12 +396,15 @@ class VanillaTransformerDecoder(VanillaTransformerStack):
         mask_name = f"{self.argument_prefix}attention_mask"
         attention_mask = checked_attention_mask(attention_mask, batch_size, length, key_length, mask_name)
         if targets is None:
+            # Position ids restarting at 0 without a mask mark sequences packed in one row; transformers finds them
+            # only without a cache, and a dynamic cache this forward starts empty changes nothing else in the mask.
+            starts_dynamic_cache = type(self_attention_cache) is DynamicCache and past_length == 0
             attention_mask = create_causal_mask(
                 config=self.config,
                 inputs_embeds=inputs_embeds,
                 attention_mask=attention_mask,
-                past_key_values=self_attention_cache,
-                position_ids=position_ids,  # packed sequences restart at 0 (found only without a mask or a cache)
+                past_key_values=None if starts_dynamic_cache else self_attention_cache,
+                position_ids=position_ids,
                 layer_idx=first_layer,
                 allow_is_causal_skip=attention_mask is None,  # deciding it from the mask's values would sync
             )

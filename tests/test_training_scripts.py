@@ -95,9 +95,9 @@ def test_noam_schedule_follows_its_formula():
 
 
 def test_label_smoothing_runs_in_our_model_with_the_trainers_loss(tmp_path):
-    """With --label_smoothing_factor our model smooths its own loss over the positions its labels score (it keeps
-    its labels, so padding is never projected onto the vocabulary): the loss and every gradient equal transformers'
-    LabelSmoother over the full logits. HF Marian, whose loss ignores `loss_function`, keeps the Trainer's smoothing."""
+    """With --label_smoothing_factor our model smooths its own loss (in float32; it keeps its labels): the loss and
+    every gradient equal transformers' LabelSmoother over the logits. HF Marian, whose loss ignores `loss_function`,
+    keeps the Trainer's smoothing."""
     torch.manual_seed(0)
     config = tiny_translation_config()
     model = VanillaTransformerForConditionalGeneration(config).train()
@@ -115,8 +115,6 @@ def test_label_smoothing_runs_in_our_model_with_the_trainers_loss(tmp_path):
     trainer = train_seq2seq.PaperSeq2SeqTrainer(model=model, args=args)
     assert trainer.label_smoother is None
     loss, outputs = trainer.compute_loss(model, dict(batch), return_outputs=True, num_items_in_batch=counted)
-    assert outputs.logits[labels == -100].eq(0).all()  # never projected onto the vocabulary
-    assert outputs.logits[labels != -100].abs().sum(-1).gt(0).all()
     loss.backward()
     gradients = {name: parameter.grad.clone() for name, parameter in model.named_parameters()}
     model.zero_grad()

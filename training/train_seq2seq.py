@@ -35,6 +35,7 @@ from run_common import (
     ModelLossMixin,
     NoamArguments,
     NoamTrainerMixin,
+    PaddingFreeTrainingMixin,
     load_local_files,
     new_model_config,
     parse_script_arguments,
@@ -52,7 +53,7 @@ from transformers import (
     Seq2SeqTrainingArguments,
 )
 
-import hf_vanilla_transformer  # noqa: F401  (registers the Auto classes)
+from hf_vanilla_transformer import DataCollatorForSeq2SeqWithFlattening  # also registers the Auto classes
 
 logger = logging.getLogger(__name__)
 DEMO_DATASET = "num2words-en-de (built-in demo, training/demo_data.py)"
@@ -106,8 +107,11 @@ class PaperSeq2SeqTrainingArguments(RunArguments, NoamArguments, Seq2SeqTraining
     )
 
 
-class PaperSeq2SeqTrainer(RunTrainerMixin, NoamTrainerMixin, ModelLossMixin, FsdpTrainerMixin, Seq2SeqTrainer):
-    """Seq2SeqTrainer with the Noam schedule and the paper's source-relative output length limit."""
+class PaperSeq2SeqTrainer(
+    RunTrainerMixin, NoamTrainerMixin, ModelLossMixin, PaddingFreeTrainingMixin, FsdpTrainerMixin, Seq2SeqTrainer
+):
+    """Seq2SeqTrainer with the Noam schedule, padding-free training batches and the paper's source-relative output
+    length limit."""
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None, **gen_kwargs):
         if not gen_kwargs and getattr(self, "_gen_kwargs", None):
@@ -259,6 +263,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         eval_dataset=splits.get("validation"),
         processing_class=tokenizer,
         data_collator=DataCollatorForSeq2Seq(tokenizer, model=model, pad_to_multiple_of=8),
+        train_data_collator=DataCollatorForSeq2SeqWithFlattening(model) if model.config.padding_free else None,
         compute_metrics=translation_metrics(tokenizer) if training_args.predict_with_generate else None,
     )
     metrics = train_and_evaluate(trainer, lambda: trainer.evaluate(metric_key_prefix="eval"))

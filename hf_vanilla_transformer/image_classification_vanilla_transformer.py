@@ -68,7 +68,7 @@ def check_image_config(config: VanillaTransformerConfig) -> None:
 
 # What an image classifier's config holds where the caller says nothing: the encoder alone, learned positions (ViT
 # §3.1), no vocabulary or special tokens (its tokens are patches; the token embedding is never built into it), and
-# Xavier init, which learned the digits better than N(0, 0.02) with the same recipe (README, Images).
+# Xavier init, which learned the digits better than N(0, 0.02) with the same recipe (docs/images.md).
 IMAGE_DEFAULTS = dict(
     is_encoder_decoder=False,
     is_decoder=False,

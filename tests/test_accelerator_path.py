@@ -17,6 +17,8 @@ Run: python -m pytest -q tests/test_accelerator_path.py
 """
 
 import collections
+import sys
+from pathlib import Path
 from typing import Any
 from unittest import mock
 
@@ -26,7 +28,7 @@ import torch._dynamo
 import transformers
 from conftest import padded_batch, tiny_config
 from torch.utils._python_dispatch import TorchDispatchMode
-from transformers import MarianConfig, MarianMTModel
+from transformers import MarianMTModel
 from transformers.cache_utils import DynamicLayer
 
 import hf_vanilla_transformer.dropout_vanilla_transformer as dropout_module
@@ -41,6 +43,9 @@ from hf_vanilla_transformer import (
     VanillaTransformerForTokenClassification,
     image_classification_config,
 )
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from marian_twin import marian_config  # noqa: E402  (HF Marian with our dimensions, as the speed benchmarks build it)
 
 aten = torch.ops.aten
 IGNORE_INDEX = -100
@@ -212,12 +217,8 @@ def left_padded_prompts() -> tuple[torch.Tensor, torch.Tensor]:
     )
 
 
-@pytest.mark.parametrize(
-    "head, num_beams", [("seq2seq", 1), ("seq2seq", 2), ("causal_lm", 1)], ids=["seq2seq-greedy", "seq2seq-beam2", "lm"]
-)
-def test_decoding_step_makes_no_host_sync(head: str, num_beams: int) -> None:
-    """Each decoding step's model forward in `generate()` makes no host-device sync (DESIGN.md: none per decoding
-    step), on a padded batch of two prompts (left-padded for the causal LM)."""
+def generation_case(head: str) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
+    """A tiny model in eval mode and two prompts, padded (left-padded for the causal LM)."""
     torch.manual_seed(0)
     if head == "seq2seq":
         model = VanillaTransformerForConditionalGeneration(text_config("seq2seq", moe=False))
@@ -225,7 +226,16 @@ def test_decoding_step_makes_no_host_sync(head: str, num_beams: int) -> None:
     else:
         model = VanillaTransformerForCausalLM(text_config("decoder", moe=False))
         input_ids, attention_mask = left_padded_prompts()
-    model.eval()
+    return model.eval(), input_ids, attention_mask
+
+
+@pytest.mark.parametrize(
+    "head, num_beams", [("seq2seq", 1), ("seq2seq", 2), ("causal_lm", 1)], ids=["seq2seq-greedy", "seq2seq-beam2", "lm"]
+)
+def test_decoding_step_makes_no_host_sync(head: str, num_beams: int) -> None:
+    """Each decoding step's model forward in `generate()` makes no host-device sync (DESIGN.md: none per decoding
+    step), on a padded batch of two prompts (left-padded for the causal LM)."""
+    model, input_ids, attention_mask = generation_case(head)
     model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=2, do_sample=False)  # warm-up
     state = counting_decoding_steps(model)
     model.generate(
@@ -284,35 +294,6 @@ def test_bad_cpu_input_gets_a_clear_error(head_class, stacks: str, corrupt: str,
 # 2. Fewer launches -----------------------------------------------------------------------------------------------
 
 
-def marian_twin_config(config: VanillaTransformerConfig) -> MarianConfig:
-    """HF Marian with our architecture and dimensions (as benchmarks/marian_twin.py builds it): post-norm, ReLU FFN,
-    sqrt(d_model)-scaled embeddings shared by both stacks and tied to the output projection, fixed sinusoids."""
-    return MarianConfig(
-        vocab_size=config.vocab_size,
-        decoder_vocab_size=config.vocab_size,
-        d_model=config.d_model,
-        encoder_layers=config.encoder_layers,
-        decoder_layers=config.decoder_layers,
-        encoder_attention_heads=config.encoder_attention_heads,
-        decoder_attention_heads=config.decoder_attention_heads,
-        encoder_ffn_dim=config.encoder_ffn_dim,
-        decoder_ffn_dim=config.decoder_ffn_dim,
-        activation_function="relu",
-        scale_embedding=True,
-        share_encoder_decoder_embeddings=True,
-        tie_word_embeddings=True,
-        dropout=config.dropout,
-        attention_dropout=config.attention_dropout,
-        activation_dropout=config.activation_dropout,
-        max_position_embeddings=config.max_position_embeddings,
-        pad_token_id=config.pad_token_id,
-        eos_token_id=config.eos_token_id,
-        bos_token_id=config.bos_token_id,
-        decoder_start_token_id=config.decoder_start_token_id,
-        forced_eos_token_id=None,
-    )
-
-
 def training_step_ops(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> SyncCounter:
     """The aten ops of one training step (forward + backward) after a warm-up step."""
     model.train()
@@ -335,7 +316,7 @@ def test_seq2seq_training_step_dispatches_no_more_ops_than_marian() -> None:
     torch.manual_seed(0)
     config = tiny_config(dropout=0.1, sinusoidal_layout="concatenated")
     ours = VanillaTransformerForConditionalGeneration(config)
-    marian = MarianMTModel(marian_twin_config(config))
+    marian = MarianMTModel(marian_config(config))
     # Same dimensions: the same parameter shapes, but for Marian's fixed sinusoid tables (parameters there, not here).
     marian_shapes = [tuple(p.shape) for name, p in marian.named_parameters() if "embed_positions" not in name]
     assert sorted(tuple(p.shape) for p in ours.parameters()) == sorted(marian_shapes), "the Marian twin differs"
@@ -417,14 +398,7 @@ def test_static_cache_generate_compiles_fullgraph(head: str) -> None:
     compiled forward (one graph, no break) and gives the same tokens as the dynamic cache. transformers compiles
     only on accelerators unless `CompileConfig._compile_all_devices` is set (`_valid_auto_compile_criteria`), so the
     test sets it; backend "eager" runs Dynamo only."""
-    torch.manual_seed(0)
-    if head == "seq2seq":
-        model = VanillaTransformerForConditionalGeneration(text_config("seq2seq", moe=False))
-        input_ids, attention_mask = padded_batch(batch=2, length=6)
-    else:
-        model = VanillaTransformerForCausalLM(text_config("decoder", moe=False))
-        input_ids, attention_mask = left_padded_prompts()
-    model.eval()
+    model, input_ids, attention_mask = generation_case(head)
     arguments = {"input_ids": input_ids, "attention_mask": attention_mask, "max_new_tokens": 4, "min_new_tokens": 4}
     dynamic_tokens = model.generate(**arguments, do_sample=False)
 

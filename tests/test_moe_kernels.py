@@ -9,7 +9,8 @@ from unittest.mock import patch
 
 import pytest
 import torch
-from conftest import padded_batch, tiny_config
+from conftest import padded_batch
+from test_moe import block, moe_config
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForSeq2SeqLM
 from transformers.activations import ACT2FN
@@ -26,26 +27,10 @@ from hf_vanilla_transformer.moe_kernels_vanilla_transformer import (
 from hf_vanilla_transformer.moe_vanilla_transformer import (
     VanillaTransformerExperts,
     VanillaTransformerRouter,
-    VanillaTransformerSparseMoeBlock,
 )
 
 aten = torch.ops.aten
 IMPLEMENTATIONS = ("eager", "batched_mm", "grouped_mm", SORTED_GROUPED_MM)
-
-
-def moe_config(**overrides):
-    return tiny_config(**{"num_experts": 4, "num_experts_per_tok": 2, **overrides})
-
-
-def block(experts_implementation: str = "eager", **overrides) -> VanillaTransformerSparseMoeBlock:
-    """A MoE block with initialised weights and non-zero biases (so that bias handling is exercised)."""
-    config = moe_config(**overrides)
-    config._experts_implementation = experts_implementation
-    torch.manual_seed(0)
-    moe = VanillaTransformerSparseMoeBlock(config, config.encoder_ffn_dim)
-    for parameter in moe.parameters():
-        torch.nn.init.normal_(parameter, std=0.3)
-    return moe.eval()
 
 
 def forward_backward(function, inputs: torch.Tensor, parameters: dict) -> tuple[torch.Tensor, dict]:

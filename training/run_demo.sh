@@ -8,8 +8,8 @@ cd "$(dirname "$0")/.."
 OUT="${1:-out/demo}"
 bash scripts/setup_env.sh
 # Two threads whose OpenMP workers sleep while they wait: with the default, a worker spinning on a core that another
-# process also wants loses its turn, and every parallel operation waits for it (150 demo steps on the shared 2-core
-# machine: 90-234 s instead of 20-25 s; see the README, Training).
+# process also wants loses its turn, and every parallel operation waits for it (150 demo steps on a shared 2-core
+# machine took 4 to 10 times as long; docs/training.md, Evidence).
 export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
 start=$(date +%s)
 .venv/bin/python training/train_seq2seq.py \

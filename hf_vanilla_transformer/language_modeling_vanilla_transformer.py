@@ -188,7 +188,10 @@ class VanillaTransformerForConditionalGeneration(LanguageModelingHead, VanillaTr
                 outputs.encoder_router_logits,
                 current_tokens(attention_mask, outputs.encoder_last_hidden_state.shape[1]),
             ),
-            decoder=(outputs.decoder_router_logits, current_tokens(decoder_attention_mask, logits.shape[1])),
+            decoder=(
+                outputs.decoder_router_logits,
+                current_tokens(decoder_attention_mask, outputs.last_hidden_state.shape[1]),
+            ),
         )
         logits = with_router_gradient(logits, router_losses)
         loss = self.token_loss(logits, labels, **kwargs)
@@ -345,7 +348,7 @@ class VanillaTransformerForMaskedLM(LanguageModelingHead):
         )
         logits = self.lm_head(slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep))
         if self.config.num_experts:  # the router losses join the gradient (see the seq2seq head); not reported here
-            tokens = current_tokens(attention_mask, logits.shape[1])
+            tokens = current_tokens(attention_mask, outputs.last_hidden_state.shape[1])
             router_losses = router.losses(self.config, encoder=(outputs.router_logits, tokens))
             logits = with_router_gradient(logits, router_losses)
         loss = self.token_loss(logits, labels, **kwargs)

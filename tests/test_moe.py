@@ -25,6 +25,7 @@ from transformers.integrations.moe import (
 from hf_vanilla_transformer import (
     VanillaTransformerForCausalLM,
     VanillaTransformerForConditionalGeneration,
+    VanillaTransformerForMaskedLM,
     VanillaTransformerForSequenceClassification,
 )
 from hf_vanilla_transformer.feed_forward_vanilla_transformer import ffn_activation
@@ -620,3 +621,21 @@ def test_bfloat16_eager_and_sdpa_route_left_padded_tokens_alike(seed):
         outputs[implementation] = output.encoder_last_hidden_state[mask.bool()], output.logits[mask.bool()]
     for eager, sdpa in zip(outputs["eager"], outputs["sdpa"]):
         torch.testing.assert_close(sdpa, eager, atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("model_class", [VanillaTransformerForConditionalGeneration, VanillaTransformerForMaskedLM])
+def test_router_losses_count_every_position_when_the_head_keeps_few_logits(model_class):
+    """`logits_to_keep` narrows the vocabulary projection, not the positions the stack routed: the logits kept are
+    those of the full projection, and the router losses still count every token of the padding masks."""
+    seq2seq = model_class is VanillaTransformerForConditionalGeneration
+    torch.manual_seed(0)
+    model = model_class(moe_config(is_encoder_decoder=seq2seq)).eval()
+    input_ids, attention_mask = padded_batch()
+    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, output_router_logits=True)
+    if seq2seq:
+        inputs |= dict(decoder_input_ids=input_ids, decoder_attention_mask=attention_mask)
+    with torch.no_grad():
+        full, last = model(**inputs), model(**inputs, logits_to_keep=1)
+    torch.testing.assert_close(last.logits, full.logits[:, -1:])
+    for name in ("encoder_aux_loss", "decoder_aux_loss", "encoder_z_loss", "decoder_z_loss") if seq2seq else ():
+        torch.testing.assert_close(getattr(last, name), getattr(full, name))

@@ -263,7 +263,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         eval_dataset=splits.get("validation"),
         processing_class=tokenizer,
         data_collator=DataCollatorForSeq2Seq(tokenizer, model=model, pad_to_multiple_of=8),
-        train_data_collator=DataCollatorForSeq2SeqWithFlattening(model) if model.config.padding_free else None,
+        train_data_collator=(
+            DataCollatorForSeq2SeqWithFlattening(model) if getattr(model.config, "padding_free", False) else None
+        ),  # ours only: HF models (INIT_MODEL) take padded batches
         compute_metrics=translation_metrics(tokenizer) if training_args.predict_with_generate else None,
     )
     metrics = train_and_evaluate(trainer, lambda: trainer.evaluate(metric_key_prefix="eval"))

@@ -99,11 +99,12 @@ def packed_attention(
     """Attention within each sequence of a flattened batch, with transformers' attention-function signature:
     query (1, heads, tokens, head_dim), key and value (1, kv_heads, tokens, head_dim) -> (1, tokens, heads,
     head_dim). Causal for a module with `is_causal` (each sequence aligned at its start, as §3.2.3's mask)."""
-    if varlen_attn is not None and query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and not dropout:
+    if runs_varlen_kernel(query, dropout):
+        # (tokens, heads, head_dim): the projections' own memory order, so no copy unless RoPE made new tensors.
         output = varlen_attn(
-            query[0].transpose(0, 1),
-            key[0].transpose(0, 1),
-            value[0].transpose(0, 1),
+            query[0].transpose(0, 1).contiguous(),
+            key[0].transpose(0, 1).contiguous(),
+            value[0].transpose(0, 1).contiguous(),
             cu_seq_lens_q,
             cu_seq_lens_k,
             max_length_q,
@@ -117,6 +118,12 @@ def packed_attention(
         module, query, key, value, scaling, dropout, Sequences(cu_seq_lens_q, max_length_q),
         Sequences(cu_seq_lens_k, max_length_k), **kwargs,
     )  # fmt: skip
+
+
+def runs_varlen_kernel(query: torch.Tensor, dropout: float) -> bool:
+    """Whether torch's variable-length flash kernel takes the call: on CUDA, in half precision, without attention
+    dropout (the kernel has none)."""
+    return varlen_attn is not None and query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and not dropout
 
 
 def padded_attention(

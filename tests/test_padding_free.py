@@ -6,6 +6,7 @@ The references are independent of the packed path: the same sentences padded as 
 """
 
 import copy
+from unittest import mock
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ from hf_vanilla_transformer import (
     VanillaTransformerForSequenceClassification,
     VanillaTransformerForTokenClassification,
 )
+from hf_vanilla_transformer import packing_vanilla_transformer as packing
 from hf_vanilla_transformer.packing_vanilla_transformer import Sequences, packed_attention
 
 VARIANTS = {
@@ -229,6 +231,45 @@ def test_packed_attention_equals_attention_per_sequence(kind, implementation):
     )
     expected = reference_attention(query, key, value, queries, keys, kind == "causal self", 0.3)
     torch.testing.assert_close(output[0], expected, rtol=1e-5, atol=1e-6)
+
+
+def varlen_attn_reference(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale, window_size, enable_gqa):
+    """torch's `varlen_attn` as its docstring defines it, on the CPU: (tokens, heads, head_dim) inputs, int32 offsets,
+    window (-1, 0) causal and (-1, -1) full, K/V heads shared by groups of query heads with `enable_gqa`."""
+    assert query.dim() == 3 and cu_seq_q.dtype == torch.int32 and window_size in ((-1, 0), (-1, -1))
+    assert max_q == int((cu_seq_q[1:] - cu_seq_q[:-1]).max()) and max_k == int((cu_seq_k[1:] - cu_seq_k[:-1]).max())
+    assert enable_gqa == (key.shape[1] != query.shape[1])
+    return reference_attention(query, key, value, cu_seq_q, cu_seq_k, window_size == (-1, 0), scale)
+
+
+@pytest.mark.parametrize("kind", ["causal self", "cross", "grouped kv"])
+def test_packed_attention_calls_the_varlen_kernel_as_documented(kind):
+    """The CUDA branch's call of `varlen_attn` (layout, offsets, causal window, grouped heads, output shape), run on
+    the CPU against a stand-in that computes what the kernel's docstring specifies; the GPU benchmark compares the
+    real kernel with the padded computation on the device."""
+    model = build(VanillaTransformerForConditionalGeneration, num_key_value_heads=2 if kind == "grouped kv" else None)
+    stack = model.model.decoder if kind != "grouped kv" else model.model.encoder
+    module = stack.layers[0].encoder_attn if kind == "cross" else stack.layers[0].self_attn
+    queries = torch.tensor([0, 4, 5, 11], dtype=torch.int32)
+    keys = torch.tensor([0, 2, 9, 12], dtype=torch.int32) if kind == "cross" else queries
+    kv_heads = 2 if kind == "grouped kv" else 4
+    query = torch.randn(1, 4, int(queries[-1]), 8)
+    key, value = torch.randn(2, 1, kv_heads, int(keys[-1]), 8)
+    layout = dict(
+        cu_seq_lens_q=queries,
+        cu_seq_lens_k=keys,
+        max_length_q=int((queries[1:] - queries[:-1]).max()),
+        max_length_k=int((keys[1:] - keys[:-1]).max()),
+    )
+    with (
+        mock.patch.object(packing, "runs_varlen_kernel", lambda query, dropout: True),
+        mock.patch.object(packing, "varlen_attn", varlen_attn_reference),
+    ):
+        output, _ = packed_attention(module, query, key, value, None, scaling=0.3, **layout)
+    expected, _ = packing.padded_attention(module, query, key, value, 0.3, 0.0, *(Sequences(offsets, length) for
+        offsets, length in ((queries, layout["max_length_q"]), (keys, layout["max_length_k"]))))  # fmt: skip
+    assert output.shape == (1, int(queries[-1]), 4, 8)
+    torch.testing.assert_close(output, expected, rtol=1e-5, atol=1e-6)
 
 
 def test_sequences_positions_and_padded_index():

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.models.bart.modeling_bart import shift_tokens_right
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
 from .inputs_vanilla_transformer import IGNORE_INDEX
@@ -215,8 +216,7 @@ class DataCollatorForSeq2SeqWithFlattening:
         )
 
     def shift(self, labels: torch.Tensor) -> torch.Tensor:
-        shifted = torch.cat((labels.new_tensor([self.decoder_start_token_id]), labels[:-1]))
-        return shifted.masked_fill(shifted == IGNORE_INDEX, self.pad_token_id)
+        return shift_tokens_right(labels[None], self.pad_token_id, self.decoder_start_token_id)[0]
 
 
 def first_set(*values):

@@ -16,7 +16,7 @@ Sections (each checks that both models compute the same thing before timing them
   * the MoE experts functions at transformer-base sizes (8 experts, top 2): forward + backward of our MoE block with
     ours ("sorted_grouped_mm") and transformers' ("grouped_mm", "eager", "batched_mm"); one a size refuses or runs
     out of memory for is recorded as such;
-  * the Multi30k recipe's model (training/recipes/multi30k_en_de.sh) at its batch: training steps per second.
+  * the Multi30k recipe's model (training/recipes/multi30k.sh) at its batch: training steps per second.
 Then the issue's targets, each ratio beside its target with pass/fail. The JSON (benchmarks/results/) is rewritten
 after every section, so a run cut short by its time limit keeps what it measured; a section that fails is recorded
 with its error and the run goes on (exit status 1 at the end).
@@ -62,7 +62,7 @@ from run_common import label_smoothed_loss  # noqa: E402  (after the sys.path en
 # Training of our model as the Trainer runs it (run_common.ModelLossMixin): loss only, no logits returned.
 OURS_TRAINING_KWARGS = {"skip_logits": True}
 EXPERTS_IMPLEMENTATIONS = (SORTED_GROUPED_MM, "grouped_mm", "eager", "batched_mm")
-# The recipe's model: transformer-base with these overrides and its 8k BPE (multi30k_en_de.sh), batch 64.
+# The recipe's model: transformer-base with these overrides and its 8k BPE (multi30k.sh), batch 64.
 RECIPE_OVERRIDES = dict(
     vocab_size=8000,
     d_model=256,
@@ -618,7 +618,7 @@ def main() -> None:
     settings = settings_from(args)
     if settings.quick and settings.device.type == "cpu":
         # A smoke run's timings mean nothing; one thread keeps it from stalling in OpenMP spin-waits when other
-        # processes share the cores (see multi30k_en_de.sh).
+        # processes share the cores (see multi30k.sh).
         torch.set_num_threads(1)
     output = args.output or Path(__file__).parent / "results" / time.strftime("gpu-%Y%m%d-%H%M%S.json", time.gmtime())
     results = run(settings, output)

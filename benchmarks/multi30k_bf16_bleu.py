@@ -2,7 +2,7 @@
 
     python benchmarks/multi30k_bf16_bleu.py DATA_DIR WORK_DIR --seeds 2 3 --jobs 2   # about 1 hour per seed
 
-For each seed, two runs of `training/recipes/multi30k_en_de.sh` that differ only in precision: WORK_DIR/bf16-seedN
+For each seed, two runs of `training/recipes/multi30k.sh` that differ only in precision: WORK_DIR/bf16-seedN
 (bfloat16 autocast) and WORK_DIR/fp32-seedN, each stopped after a fixed number of steps (4,385 by default: what the
 recipe made in the time-to-BLEU benchmark's 41.25 training minutes), not minutes, so that the two see the same batches
 and dropout draws whatever their speed and the machine's load; a checkpoint every 225 steps, the last 5 averaged where
@@ -31,7 +31,7 @@ from sacrebleu.metrics import BLEU
 from sacrebleu.significance import PairedTest
 
 REPOSITORY = Path(__file__).resolve().parent.parent
-RECIPE = REPOSITORY / "training" / "recipes" / "multi30k_en_de.sh"
+RECIPE = REPOSITORY / "training" / "recipes" / "multi30k.sh"
 PRECISION_FLAGS = {"bf16": "--bf16 true --use_cpu true", "fp32": "--bf16 false"}
 REPORTED = ("eval_bleu", "eval_bleu_last", "test_bleu", "test_bleu_lowercase", "test_chrf", "train_loss")
 

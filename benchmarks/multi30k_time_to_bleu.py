@@ -2,7 +2,7 @@
 
     python benchmarks/multi30k_time_to_bleu.py DATA_DIR WORK_DIR    # two recipe runs: about 45 + 60 minutes
 
-Does our model reach Marian's BLEU in at most 3/4 of Marian's time? Runs `training/recipes/multi30k_en_de.sh` twice on
+Does our model reach Marian's BLEU in at most 3/4 of Marian's time? Runs `training/recipes/multi30k.sh` twice on
 this machine, one leg after the other: WORK_DIR/ours, the recipe as it is but with `--time_fraction` (0.75) of the
 training minutes Marian gets; then WORK_DIR/marian, an untrained `MarianMTModel` with the recipe's dimensions
 (transformers' own initialisation) and our leg's tokenizer, trained by the same script with the same flags, data,
@@ -34,7 +34,7 @@ from transformers import AutoTokenizer, MarianMTModel  # noqa: E402
 from hf_vanilla_transformer import VanillaTransformerConfig  # noqa: E402
 
 REPOSITORY = Path(__file__).resolve().parent.parent
-RECIPE = REPOSITORY / "training" / "recipes" / "multi30k_en_de.sh"
+RECIPE = REPOSITORY / "training" / "recipes" / "multi30k.sh"
 LEGS = ("ours", "marian")
 
 

@@ -323,9 +323,10 @@ def test_a_saved_transformers_seq2seq_model_trains_with_the_script(tmp_path):
 
 
 def test_the_multi30k_recipe_runs_end_to_end_on_a_tiny_corpus(tmp_path):
-    """`training/recipes/multi30k_en_de.sh DATA_DIR OUT_DIR` on three tiny files laid out as Multi30k, a tiny model
-    (EXTRA_ARGS win over the recipe's flags) and a few seconds of budget: it trains, stops on the clock, averages or
-    keeps the last weights on validation, scores test2016 once and leaves a model the Auto classes load."""
+    """`training/recipes/multi30k.sh DATA_DIR OUT_DIR de-en` on three tiny files laid out as Multi30k, a tiny model
+    (EXTRA_ARGS win over the recipe's flags) and a few seconds of budget: it translates the pair it is given, trains,
+    stops on the clock, averages or keeps the last weights on validation, scores test2016 once and leaves a model the
+    Auto classes load."""
     data_dir = tmp_path / "multi30k"
     data_dir.mkdir()
     for split, size in [("train", 40), ("validation", 6), ("test2016", 4)]:
@@ -335,13 +336,33 @@ def test_the_multi30k_recipe_runs_end_to_end_on_a_tiny_corpus(tmp_path):
     extra = f"--config_overrides {tiny} --tokenizer_vocab_size 120 --per_device_train_batch_size 4 "
     extra += "--warmup_steps 4 --save_every_minutes 0.02 --eval_every_minutes 0.05 --max_new_tokens_over_source 4"
     env = os.environ | {"TRAIN_MINUTES": "0.1", "PYTHON": sys.executable, "EXTRA_ARGS": extra, "OMP_NUM_THREADS": "1"}
-    recipe = TRAINING_DIR / "recipes" / "multi30k_en_de.sh"
+    recipe = TRAINING_DIR / "recipes" / "multi30k.sh"
     out = tmp_path / "out"
-    finished = subprocess.run(["bash", str(recipe), str(data_dir), str(out)], env=env, capture_output=True, text=True)
+    command = ["bash", str(recipe), str(data_dir), str(out), "de-en"]
+    finished = subprocess.run(command, env=env, capture_output=True, text=True)
     assert finished.returncode == 0, finished.stderr[-3000:]
+    arguments = json.loads((out / "run_arguments.json").read_text())
+    assert (arguments["source_lang"], arguments["target_lang"]) == ("de", "en")
     results = json.loads((out / "all_results.json").read_text())
     assert 0.1 <= results["train_minutes"] < 1 and {"test_bleu", "test_bleu_lowercase", "eval_bleu"} <= results.keys()
     assert (out / "test_generations.txt").read_text().count("\n") == 4
     assert (out / run_common.BLEU_PLOT).exists() and "test2016.jsonl" in (out / "README.md").read_text()
     model = AutoModelForSeq2SeqLM.from_pretrained(out)
     assert model.config.d_model == 16
+
+
+@pytest.mark.parametrize(
+    "pair, message",
+    [("en_de", "SOURCE-TARGET must name two keys"), ("en-fr", "has no 'en' or 'fr' key"), ("de-xx", "'xx'")],
+)
+def test_the_multi30k_recipe_refuses_a_language_pair_its_data_lacks(tmp_path, pair, message):
+    """A pair the data does not hold stops the recipe before anything is trained, naming the pair."""
+    data_dir = tmp_path / "multi30k"
+    data_dir.mkdir()
+    for split in ("train", "validation", "test2016"):
+        write_pairs(data_dir / f"{split}.jsonl", PAIRS[:2])
+    recipe = TRAINING_DIR / "recipes" / "multi30k.sh"
+    command = ["bash", str(recipe), str(data_dir), str(tmp_path / "out"), pair]
+    finished = subprocess.run(command, env=os.environ | {"PYTHON": sys.executable}, capture_output=True, text=True)
+    assert finished.returncode == 2 and message in finished.stderr, finished.stderr
+    assert not (tmp_path / "out").exists()

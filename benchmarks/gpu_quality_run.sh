@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# The quality runs of one lent GPU session, in one command (the machine is lent for minutes, so everything runs at
+# once and stops at a deadline; finished runs are kept, unfinished ones killed):
+#   * the Multi30k recipe as it runs on an accelerator (training/recipes/multi30k.sh: 10-minute budget, bf16, batch
+#     128), English-German at dropout 0.1 and 0.3, and English-French at 0.3;
+#   * the CPU recipe's hour emulated (batch 64, 4,400 steps: what a 2-core AMD EPYC without AVX-512 makes in its
+#     55 training minutes; a checkpoint every 160 steps, the CPU's 2 minutes there), English-German, dropout 0.2 and
+#     0.3, to choose the CPU recipe's regularisation on validation;
+#   * the initialization study (benchmarks/init_study.py) on the machine's spare CPU cores.
+# All runs share the GPU and the cores, so their minutes are upper bounds of a run alone; the step-bounded runs' BLEU
+# does not depend on it.
+#
+# Usage, from the project root on the GPU machine, after `bash ../shared/tools/gpu/prepare.sh` here and the two data
+# folders copied to .gpu/data/ (the device tool carries .gpu):
+#   source .gpu/env.sh && bash benchmarks/gpu_quality_run.sh .gpu/data OUT_DIR
+# OUT_DIR gets recipe-runs.json, init-study.json and quality-logs.tar.gz (logs, results, generations; no weights).
+set -uo pipefail
+DATA="$1"
+OUT="$2"
+DEADLINE_SECONDS="${DEADLINE_SECONDS:-555}"  # the device tool's 600-second call, less the packing at the end
+WORK="${WORK:-/tmp/quality}"
+INIT_WORKERS="${INIT_WORKERS:-10}"
+mkdir -p "$WORK/runs" "$OUT"
+export OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false PYTHON="${PYTHON:-python3}"
+nvidia-smi -L 2>/dev/null; grep -m1 "model name" /proc/cpuinfo; nproc --all; uptime
+
+# The recipe's model (SHAPE) and the CPU hour (CPU_HOUR) can be made tiny for a smoke test on a CPU.
+DEFAULT_SHAPE="d_model=256,encoder_layers=3,decoder_layers=3,encoder_attention_heads=4,decoder_attention_heads=4"
+SHAPE="${SHAPE:-$DEFAULT_SHAPE,encoder_ffn_dim=1024,decoder_ffn_dim=1024}"
+DEFAULT_CPU_HOUR="--per_device_train_batch_size 64 --max_steps 4400 --save_steps 160"
+DEFAULT_CPU_HOUR+=" --eval_strategy steps --eval_steps 2200"
+CPU_HOUR="${CPU_HOUR:-$DEFAULT_CPU_HOUR}"
+CPU_HOUR+=" --max_train_minutes 100000 --save_every_minutes 100000 --eval_every_minutes 100000"
+pids=()
+launch() {  # NAME DATA_SUBDIR PAIR EXTRA_ARGS
+  EXTRA_ARGS="$4" setsid bash training/recipes/multi30k.sh "$DATA/$2" "$WORK/runs/$1" "$3" > "$WORK/$1.log" 2>&1 &
+  pids+=($!)
+}
+launch gpu-recipe-en-de-dropout0.1 multi30k en-de "--config_overrides $SHAPE,dropout=0.1"
+launch gpu-recipe-en-de-dropout0.3 multi30k en-de "--config_overrides $SHAPE,dropout=0.3"
+launch gpu-recipe-en-fr-dropout0.3 multi30k-en-fr en-fr "--config_overrides $SHAPE,dropout=0.3"
+launch cpu-hour-en-de-dropout0.2 multi30k en-de "$CPU_HOUR --config_overrides $SHAPE,dropout=0.2"
+launch cpu-hour-en-de-dropout0.3 multi30k en-de "$CPU_HOUR --config_overrides $SHAPE,dropout=0.3"
+setsid "$PYTHON" benchmarks/init_study.py --device cpu --workers "$INIT_WORKERS" --work_dir "$WORK/init" \
+  --deadline_minutes "$(( (DEADLINE_SECONDS - 90) / 60 ))" --output "$WORK/init-study.json" \
+  > "$WORK/init-study.log" 2>&1 &
+pids+=($!)
+
+while (( SECONDS < DEADLINE_SECONDS )); do
+  running=0
+  for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null && running=$((running + 1)); done
+  (( running == 0 )) && break
+  if (( SECONDS % 60 < 15 )); then
+    logged=$(grep -ho "'loss': '[0-9.]*'.*'epoch'" "$WORK"/*.log 2>/dev/null | wc -l)
+    echo "[$SECONDS s] $running running; $logged loss lines"
+    grep -h "Recipe finished\|test_bleu" "$WORK"/*.log 2>/dev/null | tail -4
+    nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader 2>/dev/null
+  fi
+  sleep 15
+done
+for pid in "${pids[@]}"; do kill -- -"$pid" 2>/dev/null; done
+sleep 3
+"$PYTHON" benchmarks/multi30k_runs.py "$WORK"/runs/* --output "$OUT/recipe-runs.json"
+[ -f "$WORK/init-study.json" ] || "$PYTHON" benchmarks/init_study.py --summarize --work_dir "$WORK/init" \
+  --output "$WORK/init-study.json" > /dev/null 2>&1
+cp "$WORK/init-study.json" "$OUT/" 2>/dev/null
+tail -n 40 "$WORK/init-study.log"
+cd "$WORK" && tar czf "$OUT/quality-logs.tar.gz" --exclude='*.safetensors' --exclude='checkpoint-*' \
+  --exclude='*.py' --exclude='*.bin' --exclude='tokenizer.json' --exclude='*.pt' --exclude='*.pth' \
+  ./*.log init runs init-study.json 2>/dev/null
+ls -la "$OUT"

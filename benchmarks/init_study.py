@@ -280,7 +280,8 @@ def augment(pixel_values: torch.Tensor) -> torch.Tensor:
     """Small random shifts and rotations (as the image demo), without which 1,437 training digits are memorised."""
     from train_image_classifier import random_affine
 
-    return random_affine(pixel_values, degrees=10.0, scale_jitter=0.1, translate=0.1, horizontal_flip=False)
+    moved = random_affine(pixel_values.cpu(), degrees=10.0, scale_jitter=0.1, translate=0.1, horizontal_flip=False)
+    return moved.to(pixel_values.device)  # its random grid is drawn on the CPU
 
 
 @torch.no_grad()

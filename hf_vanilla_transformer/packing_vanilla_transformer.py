@@ -17,6 +17,7 @@ half precision; elsewhere the packed queries, keys and values are scattered into
 and the output gathered back, which gives the same result and keeps the position-wise savings on a CPU.
 """
 
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +32,10 @@ try:  # torch >= 2.9; CUDA only
     from torch.nn.attention.varlen import varlen_attn
 except ImportError:
     varlen_attn = None
+# Its scale, sliding window (causal masks) and grouped-query keywords came after its first release (torch 2.11's has
+# none of them); without them the call takes the padded path.
+VARLEN_KEYWORDS = {"scale", "window_size", "enable_gqa"}
+VARLEN_TAKES_OUR_CALL = varlen_attn is not None and VARLEN_KEYWORDS <= inspect.signature(varlen_attn).parameters.keys()
 
 # The attention implementations that run packed sequences themselves, from the same keyword arguments.
 VARLEN_IMPLEMENTATIONS = ("flash_attention_2", "flash_attention_3", "flash_attention_4")
@@ -124,7 +129,8 @@ def packed_attention(
 def runs_varlen_kernel(query: torch.Tensor, dropout: float) -> bool:
     """Whether torch's variable-length flash kernel takes the call: on CUDA, in half precision, without attention
     dropout (the kernel has none)."""
-    return varlen_attn is not None and query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and not dropout
+    half = query.dtype in (torch.float16, torch.bfloat16)
+    return VARLEN_TAKES_OUR_CALL and query.is_cuda and half and not dropout
 
 
 def padded_attention(

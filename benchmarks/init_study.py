@@ -461,10 +461,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--steps", type=int, help="Training steps per run (default 800, warm-up a quarter of them; --quick: 30)."
     )
+    parser.add_argument("--warmup_steps", type=int, help="Warm-up steps of the schedule (default 200, or --steps/4).")
+    parser.add_argument(
+        "--lr_scale", type=float, help="Scale of the paper's schedule (default 1.0): peak lr_scale d^-0.5 warmup^-0.5."
+    )
     parser.add_argument("--deadline_minutes", type=float, default=math.inf, help="No new run starts after this.")
     parser.add_argument("--quick", action="store_true", help="CPU smoke test: width 64, one seed, 30 steps, tiny data.")
     parser.add_argument("--summarize", action="store_true", help="Only summarise the runs in --work_dir.")
-    parser.add_argument("--output", type=Path, default=Path(__file__).parent / "results" / "init-study.json")
+    parser.add_argument("--output", type=Path, default=Path(__file__).parent / "results" / "init-study-widths.json")
     args = parser.parse_args(argv)
     for candidate in args.candidates:
         if candidate != MARIAN:
@@ -479,6 +483,8 @@ def main(argv: list[str] | None = None) -> dict:
     settings = QUICK if args.quick else Settings()
     if args.steps is not None:
         settings = Settings(**{**asdict(settings), "steps": args.steps, "warmup_steps": max(1, args.steps // 4)})
+    schedule = {"warmup_steps": args.warmup_steps, "lr_scale": args.lr_scale}
+    settings = Settings(**{**asdict(settings), **{name: value for name, value in schedule.items() if value}})
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited by spawned workers before they import torch
     args.work_dir.mkdir(parents=True, exist_ok=True)
     if not args.summarize:

@@ -32,10 +32,15 @@ try:  # torch >= 2.9; CUDA only
     from torch.nn.attention.varlen import varlen_attn
 except ImportError:
     varlen_attn = None
-# Its scale, sliding window (causal masks) and grouped-query keywords came after its first release (torch 2.11's has
-# none of them); without them the call takes the padded path.
-VARLEN_KEYWORDS = {"scale", "window_size", "enable_gqa"}
-VARLEN_TAKES_OUR_CALL = varlen_attn is not None and VARLEN_KEYWORDS <= inspect.signature(varlen_attn).parameters.keys()
+
+
+def takes_our_call(kernel) -> bool:
+    """Whether a `varlen_attn` takes the keywords `packed_attention` passes: its grouped-query flag came after its
+    first releases (torch 2.11's has none), and without it the call takes the padded path."""
+    return kernel is not None and {"scale", "window_size", "enable_gqa"} <= inspect.signature(kernel).parameters.keys()
+
+
+VARLEN_TAKES_OUR_CALL = takes_our_call(varlen_attn)
 
 # The attention implementations that run packed sequences themselves, from the same keyword arguments.
 VARLEN_IMPLEMENTATIONS = ("flash_attention_2", "flash_attention_3", "flash_attention_4")

@@ -272,6 +272,27 @@ def test_packed_attention_calls_the_varlen_kernel_as_documented(kind):
     torch.testing.assert_close(output, expected, rtol=1e-5, atol=1e-6)
 
 
+def test_the_varlen_kernel_is_called_only_where_it_takes_our_keywords():
+    """torch 2.11's `varlen_attn` has no scale, window or grouped-query keywords (the first H100 run failed on it):
+    such a kernel leaves packed attention to the padded path."""
+
+    def torch_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                   window_size=(-1, -1)): ...  # fmt: skip
+
+    def torch_2_13(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                   window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None): ...  # fmt: skip
+
+    assert not packing.takes_our_call(torch_2_11) and packing.takes_our_call(torch_2_13)
+    assert not packing.takes_our_call(None)
+    cuda_half = mock.Mock(is_cuda=True, dtype=torch.bfloat16)
+    with mock.patch.object(packing, "VARLEN_TAKES_OUR_CALL", False):
+        assert not packing.runs_varlen_kernel(cuda_half, dropout=0.0)
+    with mock.patch.object(packing, "VARLEN_TAKES_OUR_CALL", True):
+        assert packing.runs_varlen_kernel(cuda_half, dropout=0.0)
+        assert not packing.runs_varlen_kernel(cuda_half, dropout=0.1)
+        assert not packing.runs_varlen_kernel(mock.Mock(is_cuda=True, dtype=torch.float32), dropout=0.0)
+
+
 def test_sequences_positions_and_padded_index():
     sequences = Sequences(torch.tensor([0, 3, 4, 6], dtype=torch.int32), max_length=3)
     assert sequences.positions(6).tolist() == [[0, 1, 2, 0, 0, 1]]

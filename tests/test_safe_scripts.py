@@ -239,6 +239,58 @@ def test_run_tracker_keeps_time_across_restarts():
     assert resumed.elapsed_seconds() == 61  # the clock stopped with training
 
 
+def test_cooldown_factor_falls_linearly_over_the_budgets_end():
+    now = [0.0]
+    tracker = run_control.RunTracker(max_train_minutes=10, clock=lambda: now[0], cooldown_minutes=2)
+    tracker.on_train_begin(None, TrainerState(stateful_callbacks=[tracker]), TrainerControl())
+    for second, factor in [(0, 1.0), (480, 1.0), (510, 0.75), (570, 0.25), (600, 0.0), (700, 0.0)]:
+        now[0] = second
+        assert tracker.learning_rate_factor() == pytest.approx(factor), second
+    assert run_control.RunTracker(max_train_minutes=10).learning_rate_factor() == 1.0  # no cool-down asked
+
+
+@pytest.mark.parametrize(
+    ("minutes", "message"),
+    [
+        ({"cooldown_minutes": 2}, "must be set"),
+        ({"cooldown_minutes": 2, "max_train_minutes": 1}, "at least as long"),
+        ({"cooldown_minutes": 0, "max_train_minutes": 1}, "--cooldown_minutes must be positive"),
+    ],
+)
+def test_cooldown_needs_a_time_budget_to_cool(tmp_path, minutes, message):
+    with pytest.raises(ValueError, match=message):
+        train_seq2seq.PaperSeq2SeqTrainingArguments(output_dir=str(tmp_path), **minutes)
+
+
+def test_cooldown_takes_the_noam_rate_to_zero_at_the_budget(tmp_path, monkeypatch):
+    """The logged learning rate is the Noam schedule's until the cool-down, then a falling share of it, near zero at
+    the last step (the run's clock is fake: each reading one second later)."""
+    ticks = iter(range(10**6))
+    monkeypatch.setattr(run_control, "time", SimpleNamespace(monotonic=lambda: float(next(ticks))))
+    files = {split: write_pairs(tmp_path / f"{split}.jsonl", PAIRS[:40]) for split in ("train",)}
+    budget, cooldown = 1.0, 0.5  # minutes: about 15 steps, each 4 clock readings
+    train_seq2seq.main(
+        [*TINY_MODEL, *QUIET, "--output_dir", str(tmp_path / "out"), "--do_train"]
+        + ["--train_file", str(files["train"]), "--tokenizer_vocab_size", "120", "--per_device_train_batch_size", "4"]
+        + ["--max_steps", "100000", "--warmup_steps", "4", "--max_train_minutes", str(budget)]
+        + ["--cooldown_minutes", str(cooldown), "--logging_steps", "1", "--save_strategy", "no"]
+    )
+    history = json.loads((tmp_path / "out" / "trainer_state.json").read_text())["log_history"]
+    d_model = AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "out").config.d_model
+    shares = [
+        (entry["train_minutes"], entry["learning_rate"] / run_common.noam_learning_rate(entry["step"], d_model, 4))
+        for entry in history
+        if "learning_rate" in entry
+    ]
+    # A logged rate was set by the scheduler's step a few clock readings before the log: margins of 3 and 6 seconds.
+    before = [share for minutes, share in shares if minutes < budget - cooldown - 0.05]
+    during = [share for minutes, share in shares if minutes > budget - cooldown + 0.1]
+    assert before and during
+    assert before == pytest.approx([1.0] * len(before))
+    assert all(later < earlier for earlier, later in zip(during, during[1:]))
+    assert during[-1] < 0.2 and during[0] < 1.0  # the last rate was set one step (4 s) before the budget ended
+
+
 def test_time_budget_stops_then_averages_and_scores_the_test_set(tmp_path, monkeypatch):
     ticks = iter(range(10**6))  # the run's clock: each reading one second later, so the budget is machine-free
     monkeypatch.setattr(run_control, "time", SimpleNamespace(monotonic=lambda: float(next(ticks))))

@@ -35,6 +35,7 @@ from average_checkpoints import (
     last_checkpoints,
     trainer_state,
 )
+from torch.optim.lr_scheduler import LambdaLR
 from transformers import Trainer, TrainerCallback, TrainerState
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import SaveStrategy
@@ -80,6 +81,14 @@ class RunArguments:
             "evaluations during training included) and save a checkpoint. --max_steps still applies."
         },
     )
+    cooldown_minutes: float | None = field(
+        default=None,
+        metadata={
+            "help": "Cool the learning rate down linearly to zero over the last this many minutes of "
+            "--max_train_minutes (the schedule's rate times the share of the cool-down left). A run that the clock "
+            "stops does not know its last step in advance, so no step-based schedule can end there."
+        },
+    )
     eval_every_minutes: float | None = field(
         default=None, metadata={"help": "Also evaluate every this many minutes of training."}
     )
@@ -96,9 +105,14 @@ class RunArguments:
     )
 
     def __post_init__(self):
-        for name in ("max_train_minutes", "eval_every_minutes", "save_every_minutes"):
+        for name in ("max_train_minutes", "cooldown_minutes", "eval_every_minutes", "save_every_minutes"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"--{name} must be positive, got {getattr(self, name)}.")
+        if self.cooldown_minutes is not None and not (self.max_train_minutes or 0) >= self.cooldown_minutes:
+            raise ValueError(
+                f"--cooldown_minutes {self.cooldown_minutes} cools down the end of --max_train_minutes, which must be "
+                f"set and at least as long (got {self.max_train_minutes})."
+            )
         if self.average_last_checkpoints < 0:
             raise ValueError(f"--average_last_checkpoints must be 0 (off) or more, got {self.average_last_checkpoints}")
         if not torch.accelerator.is_available():
@@ -195,7 +209,8 @@ def prepare_output_dir(arguments: tuple[Any, ...]) -> None:
 class RunTracker(TrainerCallback, ExportableState):
     """A run's id and training time, saved in every checkpoint's trainer_state.json and taken back from the
     checkpoint a run resumes from. Stops training at `max_train_minutes` (and saves), evaluates and saves every
-    `eval_every_minutes`/`save_every_minutes`, all counted in training time."""
+    `eval_every_minutes`/`save_every_minutes`, all counted in training time; gives the learning-rate factor of the
+    budget's last `cooldown_minutes`."""
 
     def __init__(
         self,
@@ -203,8 +218,10 @@ class RunTracker(TrainerCallback, ExportableState):
         eval_every_minutes: float | None = None,
         save_every_minutes: float | None = None,
         clock: Callable[[], float] | None = None,
+        cooldown_minutes: float | None = None,
     ):
         self.max_train_minutes = max_train_minutes
+        self.cooldown_minutes = cooldown_minutes
         self.every_minutes = {"evaluate": eval_every_minutes, "save": save_every_minutes}
         self.clock = clock or time.monotonic
         self.run_id = uuid.uuid4().hex
@@ -215,6 +232,13 @@ class RunTracker(TrainerCallback, ExportableState):
     def elapsed_seconds(self) -> float:
         running = self.clock() - self.started_at if self.started_at is not None else 0.0
         return self.train_seconds + running
+
+    def learning_rate_factor(self) -> float:
+        """1 until the cool-down begins, then the share of it left: linearly down to 0 when the budget ends."""
+        if not self.cooldown_minutes:
+            return 1.0
+        seconds_left = 60 * self.max_train_minutes - self.elapsed_seconds()
+        return min(1.0, max(0.0, seconds_left / (60 * self.cooldown_minutes)))
 
     def state(self) -> dict:
         args = {
@@ -264,12 +288,27 @@ class RunTracker(TrainerCallback, ExportableState):
 
 
 class RunTrainerMixin(Trainer):
-    """A Trainer with a RunTracker built from the RunArguments; its logs carry the run's training minutes."""
+    """A Trainer with a RunTracker built from the RunArguments; its logs carry the run's training minutes, and its
+    learning-rate schedule cools down with --cooldown_minutes."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         options = self.args
-        self.add_callback(RunTracker(options.max_train_minutes, options.eval_every_minutes, options.save_every_minutes))
+        minutes = (options.max_train_minutes, options.eval_every_minutes, options.save_every_minutes)
+        self.add_callback(RunTracker(*minutes, cooldown_minutes=options.cooldown_minutes))
+
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        new = self.lr_scheduler is None
+        scheduler = super().create_scheduler(num_training_steps, optimizer)
+        if new and self.args.cooldown_minutes:
+            if not isinstance(scheduler, LambdaLR):
+                raise ValueError(
+                    f"--cooldown_minutes scales a LambdaLR schedule (the Noam schedule, or --lr_scheduler_type linear, "
+                    f"cosine, constant, ...); {type(scheduler).__name__} is not one."
+                )
+            factor = self.run_tracker.learning_rate_factor  # read on the host: the clock, no device value
+            scheduler.lr_lambdas = [lambda step, rate=rate: rate(step) * factor() for rate in scheduler.lr_lambdas]
+        return scheduler
 
     @property
     def run_tracker(self) -> RunTracker:

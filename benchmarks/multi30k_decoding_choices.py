@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import sacrebleu
 import torch
 from measure import environment, write_results
@@ -26,6 +27,7 @@ REPOSITORY = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPOSITORY / "training"))
 from average_checkpoints import averaged_weights, last_checkpoints  # noqa: E402
 from run_control import load_weights  # noqa: E402
+from train_seq2seq import decode  # noqa: E402
 
 import hf_vanilla_transformer  # noqa: E402, F401  (registers the Auto classes)
 
@@ -46,7 +48,7 @@ def translate(model, tokenizer, sources: list[str], beams: int, alpha: float, ar
             output = model.generate(
                 **batch, num_beams=beams, length_penalty=alpha, length_penalty_type="gnmt", max_length=max_length
             )
-        hypotheses += [text.strip() for text in tokenizer.batch_decode(output, skip_special_tokens=True)]
+        hypotheses += decode(tokenizer, output.numpy())
     return hypotheses
 
 
@@ -68,10 +70,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     model = AutoModelForSeq2SeqLM.from_pretrained(args.run_dir).eval()
     sources, targets = validation_pairs(args.data_dir, source, target)
     # The recipe scores against its references as the tokenizer gives them back (the labels decoded).
-    references = [
-        text.strip()
-        for text in tokenizer.batch_decode(tokenizer(text_target=targets)["input_ids"], skip_special_tokens=True)
-    ]
+    references = [decode(tokenizer, np.array([ids]))[0] for ids in tokenizer(text_target=targets)["input_ids"]]
     rows = []
     for average in args.average:
         checkpoints = last_checkpoints(args.run_dir, average)

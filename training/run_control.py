@@ -38,7 +38,7 @@ from average_checkpoints import (
 from torch.optim.lr_scheduler import LambdaLR
 from transformers import Trainer, TrainerCallback, TrainerState
 from transformers.trainer_callback import ExportableState
-from transformers.trainer_utils import SaveStrategy
+from transformers.trainer_utils import SaveStrategy, SchedulerType
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +118,14 @@ class RunArguments:
         if not torch.accelerator.is_available():
             self.dataloader_pin_memory = False  # pinned memory only speeds up copies to an accelerator; torch warns
         super().__post_init__()
+        plateau = self.lr_scheduler_type == SchedulerType.REDUCE_ON_PLATEAU and not getattr(
+            self, "noam_schedule", False
+        )
+        if self.cooldown_minutes is not None and plateau:
+            raise ValueError(
+                "--cooldown_minutes scales the learning-rate schedule step by step; --lr_scheduler_type "
+                "reduce_lr_on_plateau sets the rate from evaluations instead. Choose one of them."
+            )
         if self.average_last_checkpoints and self.save_strategy == SaveStrategy.NO:
             raise ValueError("--average_last_checkpoints averages saved checkpoints: it needs a --save_strategy.")
 

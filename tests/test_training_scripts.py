@@ -272,6 +272,63 @@ def test_average_checkpoints_is_the_mean_of_weights(seq2seq_run, tmp_path):
         average_checkpoints.last_checkpoints(seq2seq_run, 5)
 
 
+def test_bpe_dropout_trains_on_several_segmentations_and_saves_the_plain_tokenizer(tmp_path, monkeypatch):
+    datasets_seen = {}
+
+    class RecordingTrainer(train_seq2seq.PaperSeq2SeqTrainer):
+        def __init__(self, *args, **kwargs):
+            datasets_seen.update(train=kwargs["train_dataset"], validation=kwargs["eval_dataset"])
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(train_seq2seq, "PaperSeq2SeqTrainer", RecordingTrainer)
+    output_dir = tmp_path / "run"
+    argv = [*SEQ2SEQ_DEMO, "--output_dir", str(output_dir), "--do_train", "--do_eval", "--max_steps", "2"]
+    argv += ["--per_device_train_batch_size", "8", "--eval_strategy", "no", "--predict_with_generate", "false"]
+    train_seq2seq.main([*argv, "--bpe_dropout", "0.3", "--bpe_dropout_segmentations", "3"])
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(output_dir)  # what the run saved: no dropout, one segmentation
+    assert tokenizer.backend_tokenizer.model.dropout is None
+    raw = train_seq2seq.number_translation_dataset(400, 16)
+    sources = [pair["en"] for pair in raw["train"]["translation"]]
+    train = datasets_seen["train"]["input_ids"]
+    assert len(train) == 3 * len(sources)
+    copies = [train[k * len(sources) : (k + 1) * len(sources)] for k in range(3)]
+    for copy in copies:  # every copy is the whole training set, in order, however it was cut
+        assert tokenizer.batch_decode(copy, skip_special_tokens=True) == sources
+    plain = tokenizer(sources)["input_ids"]
+    for copy in copies:  # each copy cuts some of the sentences otherwise
+        assert sum(ids != plain_ids for ids, plain_ids in zip(copy, plain)) > len(sources) // 10
+    assert copies[0] != copies[1]
+    validation_sources = [pair["en"] for pair in raw["validation"]["translation"]]
+    assert datasets_seen["validation"]["input_ids"] == tokenizer(validation_sources)["input_ids"]
+    assert "| `BPE-dropout` | 0.3, 3 segmentations |" in (output_dir / "README.md").read_text()
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--bpe_dropout", "1"], "--bpe_dropout is a probability"),
+        (["--bpe_dropout", "0.1", "--bpe_dropout_segmentations", "0"], "--bpe_dropout_segmentations must be"),
+        (["--bpe_dropout", "0.1", "--tokenizer_name", "WORD_LEVEL"], "--bpe_dropout needs a fast BPE tokenizer"),
+    ],
+)
+def test_bpe_dropout_refuses_what_it_cannot_do(tmp_path, flags, message):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<pad>", "<s>", "</s>", "<unk>", "one", "two", "eins", "zwei"]
+    word_level = Tokenizer(models.WordLevel({word: i for i, word in enumerate(words)}, unk_token="<unk>"))
+    word_level.pre_tokenizer = pre_tokenizers.Whitespace()
+    special = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+    PreTrainedTokenizerFast(tokenizer_object=word_level, **special).save_pretrained(tmp_path / "word_level")
+    flags = [str(tmp_path / "word_level") if flag == "WORD_LEVEL" else flag for flag in flags]
+    argv = [*SEQ2SEQ_DEMO, "--output_dir", str(tmp_path / "run"), "--do_train", "--max_steps", "1", *flags]
+    with pytest.raises(ValueError, match=message):
+        train_seq2seq.main(argv)
+
+
 @pytest.mark.parametrize("extension", ["jsonl", "csv"])
 def test_seq2seq_on_local_files(tmp_path, extension):
     pairs = [("she has two books", "sie hat zwei Bücher"), ("forty-two", "zweiundvierzig")] * 20

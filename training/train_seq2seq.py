@@ -21,13 +21,15 @@ Examples:
 
 import logging
 import sys
+from copy import deepcopy
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import sacrebleu
+import tokenizers
 import transformers
-from datasets import DatasetDict, load_dataset
+from datasets import DatasetDict, concatenate_datasets, load_dataset
 from demo_data import number_translation_dataset
 from run_common import (
     FsdpTrainerMixin,
@@ -84,6 +86,27 @@ class DataArguments:
     demo_train_size: int = field(default=20000, metadata={"help": "Training pairs generated for the demo dataset."})
     demo_validation_size: int = field(default=500, metadata={"help": "Validation pairs generated for the demo."})
     preprocessing_num_workers: int | None = field(default=None, metadata={"help": "Processes for tokenization."})
+    bpe_dropout: float = field(
+        default=0.0,
+        metadata={
+            "help": "BPE-dropout (Provilkov et al. 2020) on the training pairs: each merge is skipped with this "
+            "probability, so the model learns from several segmentations of every sentence. Validation, test and "
+            "the saved tokenizer segment as usual. 0: off."
+        },
+    )
+    bpe_dropout_segmentations: int = field(
+        default=10,
+        metadata={
+            "help": "With --bpe_dropout: how many segmentations of the training set are drawn before training. The "
+            "training set is that many times as long (an epoch in the logs is that many passes over the pairs)."
+        },
+    )
+
+    def __post_init__(self):
+        if not 0 <= self.bpe_dropout < 1:
+            raise ValueError(f"--bpe_dropout is a probability in [0, 1), got {self.bpe_dropout}.")
+        if self.bpe_dropout_segmentations < 1:
+            raise ValueError(f"--bpe_dropout_segmentations must be 1 or more, got {self.bpe_dropout_segmentations}.")
 
 
 @dataclass
@@ -177,6 +200,17 @@ def load_tokenizer(model_args: ModelArguments, training_args, raw: DatasetDict, 
     return train_bpe_tokenizer(texts_of(raw["train"]), model_args.tokenizer_vocab_size)
 
 
+def bpe_dropout_tokenizer(tokenizer, probability: float):
+    """A copy of `tokenizer` whose BPE skips each merge with `probability` (BPE-dropout); the original is untouched."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)  # fast tokenizers only
+    if backend is None or not isinstance(backend.model, tokenizers.models.BPE):
+        kind = type(backend.model if backend else tokenizer).__name__
+        raise ValueError(f"--bpe_dropout needs a fast BPE tokenizer; this one is a {kind}.")
+    copy = deepcopy(tokenizer)
+    copy.backend_tokenizer.model.dropout = probability
+    return copy
+
+
 def decode(tokenizer, token_ids: np.ndarray) -> list[str]:
     token_ids = np.where(token_ids < 0, tokenizer.pad_token_id, token_ids)  # -100: the label padding
     return [text.strip() for text in tokenizer.batch_decode(token_ids, skip_special_tokens=True)]
@@ -230,11 +264,21 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         allow_custom_entries=True,
     )
 
-    def preprocess(batch):
+    def preprocess(batch, tokenizer=tokenizer):
         sources, targets = pair_texts(batch, columns, data_args)
         features = tokenizer(sources, max_length=data_args.max_source_length, truncation=True)
         labels = tokenizer(text_target=targets, max_length=data_args.max_target_length, truncation=True)
         return features | {"labels": labels["input_ids"]}
+
+    def tokenize(data, split, **options):
+        return data.map(
+            preprocess,
+            batched=True,
+            remove_columns=data.column_names,
+            num_proc=data_args.preprocessing_num_workers,
+            desc=f"Tokenizing {split}",
+            **options,
+        )
 
     splits = {}
     for split, flag, limit in [
@@ -248,13 +292,15 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             raise ValueError(f"{flag} needs a {split} split; got {list(raw)}.")
         data = raw[split].select(range(min(limit, len(raw[split])))) if limit else raw[split]
         with training_args.main_process_first(desc=f"tokenizing {split}"):
-            splits[split] = data.map(
-                preprocess,
-                batched=True,
-                remove_columns=data.column_names,
-                num_proc=data_args.preprocessing_num_workers,
-                desc=f"Tokenizing {split}",
-            )
+            if split == "train" and data_args.bpe_dropout:
+                # Random segmentations are drawn once, before training, and kept in memory: a cached map would
+                # hand every copy the same segmentation.
+                dropout = {"tokenizer": bpe_dropout_tokenizer(tokenizer, data_args.bpe_dropout)}
+                copies = range(data_args.bpe_dropout_segmentations)
+                options = dict(fn_kwargs=dropout, keep_in_memory=True, load_from_cache_file=False)
+                splits[split] = concatenate_datasets([tokenize(data, split, **options) for _ in copies])
+            else:
+                splits[split] = tokenize(data, split)
 
     trainer = PaperSeq2SeqTrainer(
         model=model,
@@ -293,6 +339,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         "evaluation decoding": f"beam {training_args.generation_num_beams}, GNMT alpha {training_args.gnmt_alpha}, "
         f"max length source + {training_args.max_new_tokens_over_source}",
     }
+    if data_args.bpe_dropout:
+        recipe["BPE-dropout"] = f"{data_args.bpe_dropout}, {data_args.bpe_dropout_segmentations} segmentations"
     language = [data_args.source_lang, data_args.target_lang] if columns is None else None
     description = "Trained with `training/train_seq2seq.py` of hf_vanilla_transformer" + (
         " on the built-in English -> German number-sentence demo data." if dataset_label == DEMO_DATASET else "."

@@ -255,15 +255,13 @@ def test_cooldown_factor_falls_linearly_over_the_budgets_end():
         ({"cooldown_minutes": 2}, "must be set"),
         ({"cooldown_minutes": 2, "max_train_minutes": 1}, "at least as long"),
         ({"cooldown_minutes": 0, "max_train_minutes": 1}, "--cooldown_minutes must be positive"),
-        (
-            {
-                "cooldown_minutes": 1,
-                "max_train_minutes": 2,
-                "noam_schedule": False,
-                "lr_scheduler_type": "reduce_lr_on_plateau",
-            },
-            "reduce_lr_on_plateau",
-        ),
+        *[
+            (
+                {"cooldown_minutes": 1, "max_train_minutes": 2, "noam_schedule": False, "lr_scheduler_type": s},
+                f"type {s} sets the rate",
+            )
+            for s in ("reduce_lr_on_plateau", "greedy")  # they follow a metric: no step schedule to cool down
+        ],
     ],
 )
 def test_cooldown_needs_a_time_budget_to_cool(tmp_path, minutes, message):

@@ -42,6 +42,9 @@ from transformers.trainer_utils import SaveStrategy, SchedulerType
 
 logger = logging.getLogger(__name__)
 
+# transformers' schedules that are not a LambdaLR of the step: they follow a metric, so a cool-down cannot scale them.
+METRIC_DRIVEN_SCHEDULES = (SchedulerType.REDUCE_ON_PLATEAU, SchedulerType.GREEDY)
+
 RUN_RECORD = "run_arguments.json"
 # Arguments that name the run's folder or say what to do with it now, not what the run trains.
 NOT_PART_OF_THE_RUN = {
@@ -118,13 +121,11 @@ class RunArguments:
         if not torch.accelerator.is_available():
             self.dataloader_pin_memory = False  # pinned memory only speeds up copies to an accelerator; torch warns
         super().__post_init__()
-        plateau = self.lr_scheduler_type == SchedulerType.REDUCE_ON_PLATEAU and not getattr(
-            self, "noam_schedule", False
-        )
-        if self.cooldown_minutes is not None and plateau:
+        noam = getattr(self, "noam_schedule", False)  # NoamArguments, in the scripts that mix them in
+        if self.cooldown_minutes is not None and not noam and self.lr_scheduler_type in METRIC_DRIVEN_SCHEDULES:
             raise ValueError(
-                "--cooldown_minutes scales the learning-rate schedule step by step; --lr_scheduler_type "
-                "reduce_lr_on_plateau sets the rate from evaluations instead. Choose one of them."
+                f"--cooldown_minutes scales the learning-rate schedule step by step; --lr_scheduler_type "
+                f"{self.lr_scheduler_type.value} sets the rate from evaluations instead. Choose one of them."
             )
         if self.average_last_checkpoints and self.save_strategy == SaveStrategy.NO:
             raise ValueError("--average_last_checkpoints averages saved checkpoints: it needs a --save_strategy.")

@@ -257,7 +257,8 @@ def test_cooldown_factor_falls_linearly_over_the_budgets_end():
         ({"cooldown_minutes": 0, "max_train_minutes": 1}, "--cooldown_minutes must be positive"),
         *[
             (
-                {"cooldown_minutes": 1, "max_train_minutes": 2, "noam_schedule": False, "lr_scheduler_type": s},
+                {"cooldown_minutes": 1, "max_train_minutes": 2, "noam_schedule": False, "lr_scheduler_type": s}
+                | {"eval_strategy": "steps", "eval_steps": 10},  # what transformers asks of these schedules
                 f"type {s} sets the rate",
             )
             for s in ("reduce_lr_on_plateau", "greedy")  # they follow a metric: no step schedule to cool down

@@ -29,7 +29,7 @@ from .language_modeling_vanilla_transformer import (
 )
 from .model_card_vanilla_transformer import build_model_card, write_model_card
 from .modeling_vanilla_transformer import VanillaTransformerModel, VanillaTransformerPreTrainedModel
-from .packing_vanilla_transformer import DataCollatorForSeq2SeqWithFlattening
+from .collators_vanilla_transformer import DataCollatorForSeq2SeqWithFlattening
 
 # Public names imported on first access, and the sibling module defining each.
 LAZY_NAMES: dict[str, str] = {

@@ -16,6 +16,7 @@ from .classification_vanilla_transformer import (
     VanillaTransformerForSequenceClassification,
     VanillaTransformerForTokenClassification,
 )
+from .collators_vanilla_transformer import DataCollatorForSeq2SeqWithFlattening
 from .configuration_vanilla_transformer import VanillaTransformerConfig
 from .hub_vanilla_transformer import push_repository
 from .image_classification_vanilla_transformer import (
@@ -29,7 +30,6 @@ from .language_modeling_vanilla_transformer import (
 )
 from .model_card_vanilla_transformer import build_model_card, write_model_card
 from .modeling_vanilla_transformer import VanillaTransformerModel, VanillaTransformerPreTrainedModel
-from .collators_vanilla_transformer import DataCollatorForSeq2SeqWithFlattening
 
 # Public names imported on first access, and the sibling module defining each.
 LAZY_NAMES: dict[str, str] = {

@@ -38,6 +38,7 @@ from .moe_vanilla_transformer import (
     with_router_gradient,
     with_router_value,
 )
+from .packing_vanilla_transformer import check_flattened_batch
 
 
 def with_item_count(kwargs: dict, labels: torch.Tensor) -> dict:
@@ -106,6 +107,7 @@ class SingleStackTaskHead(VanillaTransformerPreTrainedModel):
                 f"{type(self).__name__} has one output per sequence and cannot take a flattened batch "
                 "(cu_seq_lens_q/k): pass the sequences padded, with an attention_mask."
             )
+        check_flattened_batch(kwargs, input_ids if input_ids is not None else inputs_embeds)
         router = RouterRequest.of(self.config, labels, output_router_logits)
         if self.config.is_decoder:
             # One pass over the whole input, no cache to fill; positions restart at each row's first token.

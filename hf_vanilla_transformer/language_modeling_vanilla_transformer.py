@@ -38,7 +38,7 @@ from .modeling_vanilla_transformer import (
     VanillaTransformerPreTrainedModel,
 )
 from .moe_vanilla_transformer import MoeCausalLMOutput, RouterRequest, with_router_gradient, with_router_value
-from .packing_vanilla_transformer import Sequences, shift_packed_labels
+from .packing_vanilla_transformer import check_flattened_batch, shift_packed_labels
 
 
 def first_given(*tensors: torch.Tensor | None) -> torch.Tensor | None:
@@ -110,12 +110,14 @@ class VanillaTransformerForConditionalGeneration(LanguageModelingHead, VanillaTr
             self.lm_head.bias = nn.Parameter(new_bias)
         return embeddings
 
-    def prepare_decoder_input_ids_from_labels(self, labels: torch.Tensor, targets: Sequences | None = None):
+    def prepare_decoder_input_ids_from_labels(self, labels: torch.Tensor, cu_seq_lens: torch.Tensor | None = None):
         """Teacher forcing: the labels shifted right behind `decoder_start_token_id`, -100 replaced by
-        `pad_token_id`; per sequence in a flattened batch (`targets`)."""
+        `pad_token_id`; per sequence in a flattened batch (`cu_seq_lens`, the target's offsets)."""
         check_can_shift_labels(self.config.pad_token_id, self.config.decoder_start_token_id)
-        if targets is not None:
-            return shift_packed_labels(labels, targets, self.config.pad_token_id, self.config.decoder_start_token_id)
+        if cu_seq_lens is not None:
+            return shift_packed_labels(
+                labels, cu_seq_lens, self.config.pad_token_id, self.config.decoder_start_token_id
+            )
         return shift_tokens_right(labels, self.config.pad_token_id, self.config.decoder_start_token_id)
 
     @can_return_tuple
@@ -149,8 +151,9 @@ class VanillaTransformerForConditionalGeneration(LanguageModelingHead, VanillaTr
         decoder_inputs = first_given(decoder_input_ids, decoder_inputs_embeds)
         check_token_labels(labels, self.config.vocab_size, decoder_inputs, "decoder_input_ids")
         check_skip_logits(skip_logits, labels)
+        check_flattened_batch(kwargs, first_given(decoder_inputs, labels), first_given(input_ids, inputs_embeds))
         if labels is not None and decoder_inputs is None:
-            decoder_input_ids = self.prepare_decoder_input_ids_from_labels(labels, Sequences.of(kwargs, "q"))
+            decoder_input_ids = self.prepare_decoder_input_ids_from_labels(labels, kwargs.get("cu_seq_lens_q"))
         router = RouterRequest.of(self.config, labels, output_router_logits)
         outputs = self.model(
             input_ids,
@@ -259,6 +262,7 @@ class VanillaTransformerForCausalLM(LanguageModelingHead, VanillaTransformerGene
         already in the gradient of any loss built from `logits` (see `attach_router_loss`).
         """
         check_token_labels(labels, self.config.vocab_size, first_given(input_ids, inputs_embeds), "input_ids")
+        check_flattened_batch(kwargs, first_given(input_ids, inputs_embeds))
         targets = self.next_token_targets(labels, kwargs.get("shift_labels"))
         check_skip_logits(skip_logits, targets)
         router = RouterRequest.of(self.config, targets, output_router_logits)
@@ -336,6 +340,7 @@ class VanillaTransformerForMaskedLM(LanguageModelingHead):
             Return the loss without logits (`logits=None`): a training step that reads only the loss. Needs labels.
         """
         check_token_labels(labels, self.config.vocab_size, first_given(input_ids, inputs_embeds), "input_ids")
+        check_flattened_batch(kwargs, first_given(input_ids, inputs_embeds))
         check_skip_logits(skip_logits, labels)
         router = RouterRequest.of(self.config, labels, output_router_logits)
         outputs = self.model(

@@ -22,7 +22,7 @@ from .configuration_vanilla_transformer import Stack, VanillaTransformerConfig
 from .feed_forward_vanilla_transformer import build_feed_forward
 from .moe_vanilla_transformer import VanillaTransformerSparseMoeBlock
 from .norms_vanilla_transformer import SublayerConnection, deepnorm_constants, set_deepnorm_init_gains
-from .packing_vanilla_transformer import VARLEN_IMPLEMENTATIONS, packed_attention
+from .packing_vanilla_transformer import AttentionLayout, packed_attention
 
 # The longest sequence at which PyTorch's math SDPA kernel is the faster one for bfloat16/float16 training on a CPU.
 SHORT_SEQUENCE_ON_CPU = 128
@@ -47,8 +47,8 @@ class VanillaTransformerAttention(nn.Module):
     """Multi-head scaled dot-product attention (§3.2), with grouped K/V heads when `num_key_value_heads` is set.
 
     Self-attention reads keys and values from its own input; cross-attention (`is_cross_attention`) from
-    `key_value_states`, the encoder output (§3.2.3). A flattened batch (`cu_seq_lens_*` in the keyword arguments)
-    attends within each of its sequences (packing_vanilla_transformer).
+    `key_value_states`, the encoder output (§3.2.3). A flattened batch attends within each of its sequences, as its
+    `layout` says (packing_vanilla_transformer).
     """
 
     def __init__(
@@ -86,6 +86,7 @@ class VanillaTransformerAttention(nn.Module):
         key_value_states: torch.Tensor | None = None,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         past_key_values: Cache | None = None,
+        layout: AttentionLayout | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         query = self.split_heads(self.q_proj(hidden_states))
@@ -113,9 +114,14 @@ class VanillaTransformerAttention(nn.Module):
 
         implementation = self.config._attn_implementation
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
-        if kwargs.get("cu_seq_lens_q") is not None and implementation not in VARLEN_IMPLEMENTATIONS:
-            attention_interface = packed_attention
-        longest = max(kwargs.get("max_length_q", query.shape[-2]), kwargs.get("max_length_k", key.shape[-2]))
+        longest = max(query.shape[-2], key.shape[-2])
+        if layout is not None:
+            # transformers' flash integrations read the offsets themselves; every other call runs ours
+            if layout.runs_in_interface:
+                kwargs.update(layout.flash_kwargs())
+            else:
+                attention_interface, kwargs["layout"] = packed_attention, layout
+            longest = max(layout.queries.max_length, layout.keys.max_length)
         with attention_backend(implementation, query, longest):
             attn_output, attn_weights = attention_interface(
                 self,
@@ -174,17 +180,17 @@ class VanillaTransformerLayer(GradientCheckpointingLayer):
         encoder_hidden_states: torch.Tensor | None = None,
         encoder_attention_mask: torch.Tensor | None = None,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        cross_attention_layout: dict | None = None,
+        attention_layout: AttentionLayout | None = None,
+        cross_attention_layout: AttentionLayout | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> torch.Tensor:
-        """`kwargs` reach both attentions: the decoder's cache (`past_key_values`), transformers' attention options
-        and, for a flattened batch, the self-attention's sequences (`cu_seq_lens_*`); cross-attention reads its
-        queries' and keys' sequences from `cross_attention_layout` instead."""
+        """`kwargs` reach both attentions: the decoder's cache (`past_key_values`) and transformers' attention
+        options. A flattened batch's sequences come as the layouts of self- and cross-attention."""
         # Self-attention (§3.2.3): over the whole source in the encoder; in the decoder `attention_mask` is causal,
         # position i sees positions <= i only.
         attention_input = self.self_attn_connection.sublayer_input(hidden_states)
         attention_output, _ = self.self_attn(
-            attention_input, attention_mask, position_embeddings=position_embeddings, **kwargs
+            attention_input, attention_mask, position_embeddings=position_embeddings, layout=attention_layout, **kwargs
         )
         hidden_states = self.self_attn_connection.add_residual(hidden_states, attention_output)
 
@@ -195,7 +201,8 @@ class VanillaTransformerLayer(GradientCheckpointingLayer):
                 attention_input,
                 encoder_attention_mask,
                 key_value_states=encoder_hidden_states,
-                **{**kwargs, **(cross_attention_layout or {})},
+                layout=cross_attention_layout,
+                **kwargs,
             )
             hidden_states = self.encoder_attn_connection.add_residual(hidden_states, attention_output)
 

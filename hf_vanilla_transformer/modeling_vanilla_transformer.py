@@ -57,7 +57,7 @@ from .moe_vanilla_transformer import (
     init_moe_weights,
 )
 from .norms_vanilla_transformer import build_norm, has_final_norm
-from .packing_vanilla_transformer import Sequences, attention_layout
+from .packing_vanilla_transformer import AttentionLayout, Sequences, layout_kernel
 from .positions_vanilla_transformer import POSITION_EMBEDDINGS, SinusoidalPositionalEmbedding
 
 # The from_pretrained arguments that say where a checkpoint is, to read its config before choosing the class.
@@ -251,8 +251,6 @@ class VanillaTransformerStack(VanillaTransformerPreTrainedModel):
     ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
         """(token embeddings, the layers' input, the RoPE table or None). Positions continue after the cache, or
         restart at each sequence of a flattened batch."""
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError(f"Pass exactly one of input_ids or inputs_embeds to the {type(self).__name__}.")
         check_stack_inputs(input_ids, inputs_embeds, self.config.d_model, self.argument_prefix)
         if inputs_embeds is None:
             # The lookup checks the ids itself, at no cost: on an accelerator its kernel asserts on the device, on a
@@ -292,14 +290,22 @@ class VanillaTransformerStack(VanillaTransformerPreTrainedModel):
     def final_norm(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.layer_norm(hidden_states) if self.layer_norm is not None and self.runs_last_layer else hidden_states
 
+    def flattened_sequences(self, kwargs: dict, input_ids, inputs_embeds, source_length: int | None = None):
+        """A flattened batch's sequences, (this stack's own: "q" for a decoder or a single stack, "k" for the
+        encoder; the source's for cross-attention), taken out of the keyword arguments: the layers get them as
+        `AttentionLayout`s. Also what runs their attention (`layout_kernel`)."""
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError(f"Pass exactly one of input_ids or inputs_embeds to the {type(self).__name__}.")
+        offsets = {name: kwargs.pop(name) for name in FLATTENED_KEYWORDS if name in kwargs}
+        kernel = layout_kernel(self.config, self.embed_tokens.weight, self.training) if offsets else None
+        length = (input_ids if input_ids is not None else inputs_embeds).shape[1]
+        own = Sequences.of(offsets, "k" if isinstance(self, VanillaTransformerEncoder) else "q", length, kernel)
+        sources = Sequences.of(offsets, "k", source_length, kernel) if source_length is not None else None
+        return own, sources, kernel
 
-def pop_sequences(kwargs: dict) -> tuple[Sequences | None, Sequences | None]:
-    """The sequences of a flattened batch, (targets or a single stack's: "q", sources: "k"), taken out of the keyword
-    arguments so that each attention is given its own (`attention_layout`)."""
-    sequences = Sequences.of(kwargs, "q"), Sequences.of(kwargs, "k")
-    for name in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"):
-        kwargs.pop(name, None)
-    return sequences
+
+# The keywords of a flattened batch (cu_seq_lens_q is the target's or a single stack's, _k the source's).
+FLATTENED_KEYWORDS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
 
 class VanillaTransformerEncoder(VanillaTransformerStack):
@@ -326,8 +332,7 @@ class VanillaTransformerEncoder(VanillaTransformerStack):
         position_ids: torch.LongTensor | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> BaseModelOutput:  # MoeEncoderOutput with experts, which adds the router logits of its MoE layers
-        # The encoder's sequences are the sources: the keys' side of cross-attention, and a single stack's own.
-        sources = pop_sequences(kwargs)[1]
+        sources, _, kernel = self.flattened_sequences(kwargs, input_ids, inputs_embeds)
         inputs_embeds, hidden_states, rotary = self.embed(input_ids, inputs_embeds, position_ids, sources)
         batch_size, length = inputs_embeds.shape[:2]
         attention_mask = checked_attention_mask(attention_mask, batch_size, length, length, "attention_mask")
@@ -338,9 +343,13 @@ class VanillaTransformerEncoder(VanillaTransformerStack):
                 attention_mask=attention_mask,
                 allow_is_bidirectional_skip=attention_mask is None,  # deciding it from the mask's values would sync
             )
-        layout = attention_layout(sources, sources)
+        layout = (
+            None if sources is None else AttentionLayout.of(sources, sources, False, kernel, self.embed_tokens.weight)
+        )
         for layer in self.layers:
-            hidden_states = layer(hidden_states, attention_mask, position_embeddings=rotary, **layout, **kwargs)
+            hidden_states = layer(
+                hidden_states, attention_mask, position_embeddings=rotary, attention_layout=layout, **kwargs
+            )
         return self.output_class(last_hidden_state=self.final_norm(hidden_states))
 
 
@@ -378,7 +387,8 @@ class VanillaTransformerDecoder(VanillaTransformerStack):
         use_cache: bool | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> BaseModelOutputWithPastAndCrossAttentions:  # MoeDecoderOutput with experts, which adds the router logits
-        targets, sources = pop_sequences(kwargs)
+        source_length = encoder_hidden_states.shape[1] if encoder_hidden_states is not None else None
+        targets, sources, kernel = self.flattened_sequences(kwargs, input_ids, inputs_embeds, source_length)
         if use_cache and past_key_values is None and targets is None:  # a flattened batch is a training batch
             past_key_values = self.new_cache()
         first_layer = self.first_layer_run  # whose cache holds the decoded length
@@ -425,6 +435,11 @@ class VanillaTransformerDecoder(VanillaTransformerStack):
                     encoder_hidden_states=encoder_hidden_states,
                     allow_is_bidirectional_skip=encoder_attention_mask is None,
                 )
+        weight = self.embed_tokens.weight
+        self_attention_layout = AttentionLayout.of(targets, targets, True, kernel, weight)
+        cross_attention_layout = (
+            AttentionLayout.of(targets, sources, False, kernel, weight) if source_length is not None else None
+        )
         for layer in self.layers:
             hidden_states = layer(
                 hidden_states,
@@ -433,8 +448,8 @@ class VanillaTransformerDecoder(VanillaTransformerStack):
                 encoder_attention_mask=encoder_attention_mask,
                 position_embeddings=rotary,
                 past_key_values=past_key_values,
-                cross_attention_layout=attention_layout(targets, sources),
-                **attention_layout(targets, targets),
+                attention_layout=self_attention_layout,
+                cross_attention_layout=cross_attention_layout,
                 **kwargs,
             )
         return self.output_class(last_hidden_state=self.final_norm(hidden_states), past_key_values=past_key_values)

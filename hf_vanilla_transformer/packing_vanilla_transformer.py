@@ -4,17 +4,19 @@ In a padded batch every linear map, norm, FFN, dropout and the vocabulary projec
 attention (§3.2) mixes positions, so a batch can instead arrive flattened, (1, total tokens), with the offsets at
 which its sequences start: then every position-wise layer runs on real tokens only, and attention runs per sequence
 over those offsets. Finding the tokens of a padded batch on the device would need `nonzero` (a host-device sync that
-stalls an accelerator's queue), so the layout is built on the CPU, once per batch, by the collator:
+stalls an accelerator's queue), so the offsets are built on the CPU, once per batch, by a collator:
 
 - single-stack models take what transformers' `DataCollatorWithFlattening(return_flash_attn_kwargs=True)` gives:
   `input_ids` (1, total), `position_ids` restarting at 0, `cu_seq_lens_q/k` and `max_length_q/k`;
-- encoder-decoders take `DataCollatorForSeq2SeqWithFlattening` below: the source with `cu_seq_lens_k`/`max_length_k`,
-  the target with `cu_seq_lens_q`/`max_length_q`, as cross-attention reads them (queries from the target, keys from
-  the source); encoder self-attention reads the source offsets, decoder self-attention the target ones.
+- encoder-decoders take `DataCollatorForSeq2SeqWithFlattening` (collators_vanilla_transformer): the source with
+  `cu_seq_lens_k`/`max_length_k`, the target with `cu_seq_lens_q`/`max_length_q`, as cross-attention reads them
+  (queries from the target, keys from the source).
 
-Attention over packed tokens (`packed_attention`): torch's variable-length flash kernel (`varlen_attn`) on CUDA in
-half precision; elsewhere the packed queries, keys and values are scattered into (sequences, max_length) for SDPA
-and the output gathered back, which gives the same result and keeps the position-wise savings on a CPU.
+Each stack turns the offsets into `AttentionLayout`s once per forward (encoder self-attention: source/source; decoder
+self-attention: target/target; cross-attention: target/source) and hands one to each attention call. The call runs
+a variable-length kernel where one runs (`varlen_kernel`: torch's `varlen_attn` in either of its signatures, or
+flash-attn's through transformers' integration), else the fallback: the queries, keys and values gathered into
+(sequences, max_length) by indices the layout built once, SDPA under the layout's mask, and the rows gathered back.
 """
 
 import inspect
@@ -22,10 +24,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.models.llama.modeling_llama import eager_attention_forward
+from transformers.utils import is_flash_attn_2_available
 
-from .inputs_vanilla_transformer import IGNORE_INDEX
+from .inputs_vanilla_transformer import IGNORE_INDEX, require
 
 try:  # torch >= 2.9; CUDA only
     from torch.nn.attention.varlen import varlen_attn
@@ -33,62 +35,210 @@ except ImportError:
     varlen_attn = None
 
 
-def takes_our_call(kernel) -> bool:
-    """Whether a `varlen_attn` takes the keywords `packed_attention` passes: its grouped-query flag came after its
-    first releases (torch 2.11's has none), and without it the call takes the padded path."""
-    return kernel is not None and {"scale", "window_size", "enable_gqa"} <= inspect.signature(kernel).parameters.keys()
+def varlen_signature(kernel) -> str | None:
+    """Which call `varlen_attn` takes: "scale" (torch >= 2.12: `scale`, `window_size`, `enable_gqa`), "is_causal"
+    (torch 2.9-2.11: the default 1/sqrt(head_dim) scale, as many K/V heads as query heads), or None (no kernel)."""
+    if kernel is None:
+        return None
+    parameters = inspect.signature(kernel).parameters.keys()
+    if {"scale", "window_size", "enable_gqa"} <= parameters:
+        return "scale"
+    return "is_causal" if "is_causal" in parameters else None
 
 
-VARLEN_TAKES_OUR_CALL = takes_our_call(varlen_attn)
+VARLEN_SIGNATURE = varlen_signature(varlen_attn)
+FLASH_ATTN_INSTALLED = is_flash_attn_2_available()
 
-# The attention implementations that run packed sequences themselves, from the same keyword arguments.
+# The attention implementations that run packed sequences themselves, from the cu_seq_lens_*/max_length_* keywords.
 VARLEN_IMPLEMENTATIONS = ("flash_attention_2", "flash_attention_3", "flash_attention_4")
+
+
+def varlen_kernel(device: torch.device | str, dtype: torch.dtype, dropout: float = 0.0) -> str | None:
+    """The variable-length kernel that attention over a flattened batch runs on `device` in `dtype` with attention
+    dropout `dropout`: "torch" (`varlen_attn`, which has no dropout), "flash_attn" (flash-attn's, which has), or None
+    where none does (CPU, float32, or dropout without flash-attn), and the fallback runs."""
+    if torch.device(device).type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+        return None
+    if VARLEN_SIGNATURE is not None and not dropout:
+        return "torch"
+    return "flash_attn" if FLASH_ATTN_INSTALLED else None
+
+
+def varlen_kernel_runs(device: torch.device | str, dtype: torch.dtype, dropout: float = 0.0) -> bool:
+    return varlen_kernel(device, dtype, dropout) is not None
+
+
+def attention_dtype(weight: torch.Tensor) -> torch.dtype:
+    """The dtype attention runs in for a model whose weights are `weight`'s: autocast's where it is on (the
+    Trainer's bf16 keeps float32 weights), else the weights'."""
+    device = weight.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
+
+
+def layout_kernel(config, weight: torch.Tensor, training: bool) -> str | None:
+    """What runs the attention of a flattened batch in this forward, for a model whose weights are `weight`'s:
+    transformers' flash integration where the config asks for it, else `varlen_kernel`, else None: the fallback."""
+    if config._attn_implementation in VARLEN_IMPLEMENTATIONS:
+        return config._attn_implementation
+    dropout = config.attention_dropout if training else 0.0
+    return varlen_kernel(weight.device, attention_dtype(weight), dropout)
+
+
+@dataclass(frozen=True)
+class Grid:
+    """Where the fallback attends: the (sequences, max_length) grid of one side. `reads` (sequences * max_length,)
+    the token each cell copies, `sequence` and `position` (tokens,) each token's cell, `visible` (sequences,
+    max_length) the cells that hold a key."""
+
+    reads: torch.Tensor
+    sequence: torch.Tensor
+    position: torch.Tensor
+    visible: torch.Tensor
+
+    @classmethod
+    def of(cls, cu_seq_lens: torch.Tensor, max_length: int, num_tokens: int) -> "Grid":
+        starts, ends = cu_seq_lens[:-1].long(), cu_seq_lens[1:].long()
+        cells = torch.arange(max_length, device=starts.device)
+        # A cell past its sequence's end reads the sequence's last token (any real row would do: the mask hides it),
+        # an empty sequence's cells the token before it: every index stays inside the tokens.
+        reads = torch.minimum(starts[:, None] + cells, (ends - 1).clamp(min=0)[:, None])
+        tokens = torch.arange(num_tokens, device=starts.device)
+        sequence = torch.searchsorted(ends, tokens, right=True)
+        # An empty sequence keeps one visible key, so that its softmax has a row to normalise: its outputs are never
+        # read, and without one they would be NaN, which backward would spread.
+        visible = cells < (ends - starts).clamp(min=1)[:, None]
+        return cls(reads.flatten(), sequence, tokens - starts[sequence], visible)
 
 
 @dataclass(frozen=True)
 class Sequences:
-    """Where the sequences of a flattened batch are: `cu_seq_lens` (sequences + 1,) int32 offsets into its tokens,
-    and the longest one's length, a Python int (a shape, so no sync reads it)."""
+    """Where the sequences of one side of a flattened batch are: `cu_seq_lens` (sequences + 1,) int32 offsets into
+    its tokens, the longest one's length (a Python int: a shape, so no sync reads it), and, where the fallback will
+    attend, their `grid`."""
 
     cu_seq_lens: torch.Tensor
     max_length: int
+    grid: Grid | None = None
 
     @classmethod
-    def of(cls, kwargs: dict[str, Any], side: str) -> "Sequences | None":
-        """The sequences of one side ("q": the target or a single stack's, "k": the source) given in `kwargs`."""
+    def of(cls, kwargs: dict[str, Any], side: str, num_tokens: int, kernel: str | None) -> "Sequences | None":
+        """The sequences of one side ("q": the target or a single stack's, "k": the source) given in `kwargs`, with
+        the grid where `kernel` is None. Trusted: the head checked them (`check_offsets`)."""
         cu_seq_lens = kwargs.get(f"cu_seq_lens_{side}")
-        return None if cu_seq_lens is None else cls(cu_seq_lens, int(kwargs[f"max_length_{side}"]))
+        if cu_seq_lens is None:
+            return None
+        max_length = int(kwargs[f"max_length_{side}"])
+        grid = Grid.of(cu_seq_lens, max_length, num_tokens) if kernel is None else None
+        return cls(cu_seq_lens, max_length, grid)
 
     @property
-    def lengths(self) -> torch.Tensor:
-        return (self.cu_seq_lens[1:] - self.cu_seq_lens[:-1]).long()
+    def count(self) -> int:
+        return self.cu_seq_lens.shape[0] - 1
 
     def positions(self, num_tokens: int) -> torch.Tensor:
         """(1, tokens): each token's position in its own sequence, 0 at each start."""
         tokens = torch.arange(num_tokens, device=self.cu_seq_lens.device)
-        return (tokens - self.cu_seq_lens.long()[self.sequence_of(tokens)])[None]
-
-    def sequence_of(self, tokens: torch.Tensor) -> torch.Tensor:
-        return torch.searchsorted(self.cu_seq_lens[1:].long(), tokens, right=True)
-
-    def padded_index(self, num_tokens: int) -> torch.Tensor:
-        """(tokens,): each token's row in the (sequences * max_length) grid of the padded layout."""
-        tokens = torch.arange(num_tokens, device=self.cu_seq_lens.device)
-        sequence = self.sequence_of(tokens)
-        return sequence * self.max_length + tokens - self.cu_seq_lens.long()[sequence]
+        starts = self.cu_seq_lens.long()
+        return (tokens - starts[torch.searchsorted(starts[1:], tokens, right=True)])[None]
 
 
-def attention_layout(queries: Sequences | None, keys: Sequences | None) -> dict[str, Any]:
-    """The keyword arguments that tell an attention call (ours, or transformers' flash-attention integration) the
-    sequences of its queries and keys; none for a padded batch."""
-    if queries is None:
-        return {}
-    return dict(
-        cu_seq_lens_q=queries.cu_seq_lens,
-        cu_seq_lens_k=keys.cu_seq_lens,
-        max_length_q=queries.max_length,
-        max_length_k=keys.max_length,
-    )
+@dataclass(frozen=True)
+class AttentionLayout:
+    """The sequences one attention call attends within: its queries' and its keys' (the same for self-attention),
+    what runs it (`kernel`, see `layout_kernel`), and for the fallback the mask over the grids, (sequences, 1,
+    max_length_q, max_length_k): keys inside their sequence and, for causal attention, at or before the query
+    (§3.2.3). Built once per stack forward and handed to every layer."""
+
+    queries: Sequences
+    keys: Sequences
+    kernel: str | None
+    mask: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, queries: Sequences | None, keys: Sequences | None, causal: bool, kernel: str | None, weight):
+        """`weight`: one of the model's, whose `attention_dtype` the fallback's mask takes: additive, as eager
+        attention adds it and as SDPA would convert a boolean one in every call."""
+        if queries is None and keys is None:
+            return None
+        if queries is None or keys is None:
+            raise ValueError(
+                "A flattened batch flattens the source and the target: cu_seq_lens_q and cu_seq_lens_k come together."
+            )
+        if queries.count != keys.count:
+            raise ValueError(
+                f"cu_seq_lens_q has {queries.count} sequences and cu_seq_lens_k {keys.count}: cross-attention pairs "
+                "each target sequence with one source sequence."
+            )
+        if kernel is not None:
+            return cls(queries, keys, kernel)
+        visible = keys.grid.visible[:, None, None, :]
+        if causal:  # cell i of a sequence sees its cells <= i
+            device = visible.device
+            cells_q, cells_k = (
+                torch.arange(queries.max_length, device=device),
+                torch.arange(keys.max_length, device=device),
+            )
+            visible = visible & (cells_k <= cells_q[:, None])
+        dtype = attention_dtype(weight)
+        mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(
+            ~visible, torch.finfo(dtype).min
+        )
+        return cls(queries, keys, kernel, mask)
+
+    @property
+    def runs_in_interface(self) -> bool:
+        """Whether transformers' own attention function (a flash implementation) runs the packed call."""
+        return self.kernel in VARLEN_IMPLEMENTATIONS
+
+    def flash_kwargs(self) -> dict[str, Any]:
+        """The keywords transformers' flash-attention integration reads for packed sequences."""
+        return dict(
+            cu_seq_lens_q=self.queries.cu_seq_lens,
+            cu_seq_lens_k=self.keys.cu_seq_lens,
+            max_length_q=self.queries.max_length,
+            max_length_k=self.keys.max_length,
+        )
+
+
+def check_flattened_batch(
+    kwargs: dict[str, Any], inputs: torch.Tensor | None, source_inputs: torch.Tensor | None = None
+) -> None:
+    """The offsets of a flattened batch, checked once, where a head receives them (the stacks trust them): the
+    target's or a single stack's ("q") against the tokens of `inputs` (ids or embeddings), the source's ("k")
+    against `source_inputs`' (a single stack's: `inputs`' too, as transformers' collator gives both)."""
+    if inputs is None or kwargs.get("cu_seq_lens_q") is None and kwargs.get("cu_seq_lens_k") is None:
+        return
+    source_inputs = inputs if source_inputs is None else source_inputs
+    for batch in (inputs, source_inputs):
+        if batch.shape[0] != 1:
+            raise ValueError(
+                "A flattened batch (cu_seq_lens_q/k) lays its sequences end to end in one row, got batch size "
+                f"{batch.shape[0]}: pass input_ids of shape (1, total tokens)."
+            )
+    for side, tokens in (("q", inputs), ("k", source_inputs)):
+        if kwargs.get(f"cu_seq_lens_{side}") is not None:
+            check_offsets(kwargs[f"cu_seq_lens_{side}"], kwargs.get(f"max_length_{side}"), tokens.shape[1], side)
+
+
+def check_offsets(cu_seq_lens: Any, max_length: Any, num_tokens: int, side: str) -> None:
+    """Offsets that would attend across sequences or index past the tokens are refused: int32 (what the kernels
+    take), 1-D, from 0, not decreasing, ending at the token count, and `max_length` at least the longest sequence.
+    Values are checked without a host sync (`require`: a ValueError on a CPU, a device-side assert on CUDA)."""
+    name, length_name = f"cu_seq_lens_{side}", f"max_length_{side}"
+    if not isinstance(cu_seq_lens, torch.Tensor) or cu_seq_lens.dtype != torch.int32 or cu_seq_lens.dim() != 1:
+        tensor = isinstance(cu_seq_lens, torch.Tensor)
+        got = f"{cu_seq_lens.dtype} of shape {tuple(cu_seq_lens.shape)}" if tensor else type(cu_seq_lens).__name__
+        raise ValueError(f"{name} must be a 1-D torch.int32 tensor of sequence offsets, got {got}.")
+    if cu_seq_lens.shape[0] < 2:
+        raise ValueError(f"{name} must hold at least two offsets (0 and the token count), got {cu_seq_lens.shape[0]}.")
+    if isinstance(max_length, torch.Tensor) and max_length.device.type == "cpu" and max_length.numel() == 1:
+        max_length = int(max_length)  # a collator's 0-dim tensor: on the CPU, so no sync
+    if not isinstance(max_length, int) or isinstance(max_length, bool):
+        raise ValueError(f"{name} needs {length_name}, the longest sequence's length as an int, got {max_length!r}.")
+    lengths = cu_seq_lens[1:] - cu_seq_lens[:-1]
+    bounds = torch.stack([cu_seq_lens[0] == 0, cu_seq_lens[-1] == num_tokens, (lengths >= 0).all()])
+    require(bounds.all(), f"{name} must rise from 0 to the token count ({num_tokens}) without decreasing.")
+    require((lengths <= max_length).all(), f"{length_name}={max_length} is shorter than a sequence of {name}.")
 
 
 def packed_attention(
@@ -96,103 +246,107 @@ def packed_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float,
+    attention_mask: None,
     dropout: float = 0.0,
+    scaling: float | None = None,
     *,
-    cu_seq_lens_q: torch.Tensor,
-    cu_seq_lens_k: torch.Tensor,
-    max_length_q: int,
-    max_length_k: int,
+    layout: AttentionLayout,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Attention within each sequence of a flattened batch, with transformers' attention-function signature:
-    query (1, heads, tokens, head_dim), key and value (1, kv_heads, tokens, head_dim) -> (1, tokens, heads,
-    head_dim). Causal for a module with `is_causal` (each sequence aligned at its start, as §3.2.3's mask)."""
-    if runs_varlen_kernel(query, dropout):
-        # (tokens, heads, head_dim): the projections' own memory order, so no copy unless RoPE made new tensors.
+    """Attention within each sequence of a flattened batch: query (1, heads, tokens, head_dim), key and value
+    (1, kv_heads, tokens, head_dim) -> (1, tokens, heads, head_dim), and the weights where eager attention ran.
+    Causal for a module with `is_causal` (each sequence aligned at its start, as §3.2.3's mask)."""
+    if layout.kernel == "torch":
+        return torch_varlen_attention(module, query, key, value, layout, scaling), None
+    if layout.kernel == "flash_attn":
+        return flash_attn_attention(module, query, key, value, layout, scaling, dropout, **kwargs), None
+    return fallback_attention(module, query, key, value, layout, scaling, dropout)
+
+
+def torch_varlen_attention(module, query, key, value, layout: AttentionLayout, scaling: float) -> torch.Tensor:
+    """torch's `varlen_attn` on (tokens, heads, head_dim) views, the projections' own memory order."""
+    query, key, value = (tensor[0].transpose(0, 1) for tensor in (query, key, value))
+    offsets = layout.flash_kwargs().values()
+    if VARLEN_SIGNATURE == "scale":
+        window = (-1, 0) if module.is_causal else (-1, -1)
         output = varlen_attn(
-            query[0].transpose(0, 1).contiguous(),
-            key[0].transpose(0, 1).contiguous(),
-            value[0].transpose(0, 1).contiguous(),
-            cu_seq_lens_q,
-            cu_seq_lens_k,
-            max_length_q,
-            max_length_k,
-            scale=scaling,
-            window_size=(-1, 0) if module.is_causal else (-1, -1),
-            enable_gqa=key.shape[1] != query.shape[1],
-        )
-        return output[None], None
-    return padded_attention(
-        module, query, key, value, scaling, dropout, Sequences(cu_seq_lens_q, max_length_q),
-        Sequences(cu_seq_lens_k, max_length_k), **kwargs,
-    )  # fmt: skip
-
-
-def runs_varlen_kernel(query: torch.Tensor, dropout: float) -> bool:
-    return varlen_kernel_runs(query.device, query.dtype, dropout)
-
-
-def varlen_kernel_runs(device: torch.device | str, dtype: torch.dtype, dropout: float = 0.0) -> bool:
-    """Whether attention over a flattened batch runs a variable-length kernel on `device` in `dtype`: on CUDA, in
-    half precision, without attention dropout (the kernels have none)."""
-    half = dtype in (torch.float16, torch.bfloat16)
-    return VARLEN_TAKES_OUR_CALL and torch.device(device).type == "cuda" and half and not dropout
-
-
-def padded_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    scaling: float,
-    dropout: float,
-    queries: Sequences,
-    keys: Sequences,
-    **kwargs,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`packed_attention` where no variable-length kernel runs: the packed rows scattered into the padded layout, the
-    padding masked, SDPA (or eager attention, which returns the weights), and the real rows gathered back."""
-    query_index, key_index = queries.padded_index(query.shape[2]), keys.padded_index(key.shape[2])
-    query = scatter_rows(query, query_index, queries)
-    key, value = scatter_rows(key, key_index, keys), scatter_rows(value, key_index, keys)
-    key_positions = torch.arange(keys.max_length, device=query.device)
-    mask = (key_positions < keys.lengths[:, None])[:, None, None, :]
-    if module.is_causal:  # position i of a sequence sees its positions <= i
-        mask = mask & (key_positions <= torch.arange(queries.max_length, device=query.device)[:, None])
-    if module.config._attn_implementation == "eager":
-        additive = torch.zeros(mask.shape, dtype=query.dtype, device=query.device)
-        output, weights = eager_attention_forward(
-            module, query, key, value, additive.masked_fill(~mask, torch.finfo(query.dtype).min), scaling, dropout
+            query, key, value, *offsets, scale=scaling, window_size=window, enable_gqa=key.shape[1] != query.shape[1]
         )
     else:
-        output, weights = sdpa_attention_forward(module, query, key, value, mask, dropout, scaling, is_causal=False)
-    return output.flatten(0, 1).index_select(0, query_index)[None], weights
+        # The older call scales by 1/sqrt(head_dim) and wants one K/V head per query head.
+        default_scaling = query.shape[-1] ** -0.5
+        if scaling != default_scaling:
+            query = query * (scaling / default_scaling)
+        groups = query.shape[1] // key.shape[1]
+        if groups > 1:
+            key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+        output = varlen_attn(query, key, value, *offsets, is_causal=module.is_causal)
+    return output[None]
 
 
-def scatter_rows(packed: torch.Tensor, index: torch.Tensor, sequences: Sequences) -> torch.Tensor:
-    """(1, heads, tokens, head_dim) -> (sequences, heads, max_length, head_dim), zeros at the padding."""
-    rows = packed[0].transpose(0, 1)
-    padded = rows.new_zeros(len(sequences.cu_seq_lens) - 1, sequences.max_length, *rows.shape[1:])
-    return padded.flatten(0, 1).index_copy(0, index, rows).unflatten(0, padded.shape[:2]).transpose(1, 2)
+def flash_attn_attention(module, query, key, value, layout: AttentionLayout, scaling: float, dropout: float, **kwargs):
+    """flash-attn's variable-length kernel through transformers' integration (it has attention dropout)."""
+    from transformers.modeling_flash_attention_utils import _flash_attention_forward
+
+    return _flash_attention_forward(
+        query.transpose(1, 2),
+        key.transpose(1, 2),
+        value.transpose(1, 2),
+        None,
+        query_length=query.shape[2],
+        is_causal=module.is_causal,
+        dropout=dropout,
+        softmax_scale=scaling,
+        attn_implementation="flash_attention_2",
+        **layout.flash_kwargs(),
+    )
+
+
+def fallback_attention(module, query, key, value, layout: AttentionLayout, scaling: float, dropout: float):
+    """Where no variable-length kernel runs: each of query, key and value gathered into the (sequences, heads,
+    max_length, head_dim) grid by the layout's indices, attention under its mask, each token's row read back."""
+    query = to_grid(query, layout.queries)
+    key, value = to_grid(key, layout.keys), to_grid(value, layout.keys)
+    if module.config._attn_implementation == "eager":
+        output, weights = eager_attention_forward(module, query, key, value, layout.mask, scaling, dropout)
+    else:
+        output = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, layout.mask, dropout, scale=scaling, enable_gqa=key.shape[1] != query.shape[1]
+        ).transpose(1, 2)
+        weights = None
+    # (sequences, max_length, heads, head_dim) -> (1, tokens, heads, head_dim)
+    grid = layout.queries.grid
+    return output[grid.sequence, grid.position][None], weights
+
+
+def to_grid(packed: torch.Tensor, sequences: Sequences) -> torch.Tensor:
+    """(1, heads, tokens, head_dim) -> (sequences, heads, max_length, head_dim), read through the projection's own
+    (tokens, heads, head_dim) order, so that neither the result nor its gradient needs a copy."""
+    cells = packed.transpose(1, 2).index_select(1, sequences.grid.reads)
+    return cells.view(sequences.count, sequences.max_length, *packed.shape[1:2], packed.shape[3]).transpose(1, 2)
 
 
 def shift_packed_labels(
-    labels: torch.Tensor, targets: Sequences, pad_token_id: int, decoder_start_token_id: int
+    labels: torch.Tensor, cu_seq_lens: torch.Tensor, pad_token_id: int, decoder_start_token_id: int
 ) -> torch.Tensor:
     """Teacher forcing on a flattened target: each sequence's labels shifted right behind the decoder start token,
     -100 replaced by the pad token (what `shift_tokens_right` does to each row of a padded batch)."""
-    shifted = labels.roll(1, dims=-1)
-    shifted[:, targets.cu_seq_lens[:-1].long()] = decoder_start_token_id
-    return shifted.masked_fill(shifted == IGNORE_INDEX, pad_token_id)
+    # One column past the end takes the starts of empty sequences there (a collator's fixed slots).
+    shifted = torch.nn.functional.pad(labels.roll(1, dims=-1), (0, 1))
+    shifted[:, cu_seq_lens[:-1].long()] = decoder_start_token_id
+    return shifted[:, :-1].masked_fill(shifted[:, :-1] == IGNORE_INDEX, pad_token_id)
 
 
 __all__ = [
+    "AttentionLayout",
+    "check_flattened_batch",
+    "check_offsets",
+    "attention_dtype",
+    "layout_kernel",
     "Sequences",
     "VARLEN_IMPLEMENTATIONS",
-    "attention_layout",
     "packed_attention",
-    "varlen_kernel_runs",
     "shift_packed_labels",
+    "varlen_kernel",
+    "varlen_kernel_runs",
 ]

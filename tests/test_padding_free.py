@@ -5,6 +5,7 @@ The references are independent of the packed path: the same sentences padded as 
 (run through masks and SDPA), and attention computed one sequence at a time with torch's SDPA.
 """
 
+import collections
 import copy
 from unittest import mock
 
@@ -13,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from conftest import tiny_config
 from test_accelerator_path import SyncCounter
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import DataCollatorWithFlattening
 
 from hf_vanilla_transformer import (
@@ -203,101 +205,175 @@ def reference_attention(query, key, value, queries, keys, causal, scale):
     return torch.cat(outputs)
 
 
-@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
-@pytest.mark.parametrize("kind", ["causal self", "bidirectional self", "cross", "grouped kv"])
-def test_packed_attention_equals_attention_per_sequence(kind, implementation):
-    """The CPU path of `packed_attention` (scatter, masked SDPA or eager attention, gather) against torch's SDPA run
-    on each sequence alone; cross-attention with other query and key sequences."""
+QUERY_OFFSETS, CROSS_KEY_OFFSETS = [0, 4, 5, 11], [0, 2, 9, 12]
+
+
+def attention_case(kind: str, implementation: str = "sdpa", empty_sequence: bool = False):
+    """A module of the tiny seq2seq model, (tokens, heads, head_dim) queries, keys and values, and their offsets; with
+    an empty sequence in the middle and one at the end (a collator's fixed slots) where asked."""
     torch.manual_seed(0)
     model = build(VanillaTransformerForConditionalGeneration, attn_implementation=implementation)
-    module = (
-        model.model.decoder.layers[0].self_attn if kind == "causal self" else model.model.encoder.layers[0].self_attn
+    stack = model.model.decoder if kind == "causal self" else model.model.encoder
+    module = model.model.decoder.layers[0].encoder_attn if kind == "cross" else stack.layers[0].self_attn
+    query_offsets = QUERY_OFFSETS + ([11] if empty_sequence else [])
+    key_offsets = (
+        (CROSS_KEY_OFFSETS + [12] if empty_sequence else CROSS_KEY_OFFSETS) if kind == "cross" else query_offsets
     )
-    queries = torch.tensor([0, 4, 5, 11], dtype=torch.int32)
-    keys = torch.tensor([0, 2, 9, 12], dtype=torch.int32) if kind == "cross" else queries
+    if empty_sequence:
+        query_offsets, key_offsets = (
+            query_offsets[:2] + [4] + query_offsets[2:],
+            key_offsets[:2] + key_offsets[1:2] + key_offsets[2:],
+        )
+    queries, keys = (torch.tensor(offsets, dtype=torch.int32) for offsets in (query_offsets, key_offsets))
     heads, kv_heads = 4, 2 if kind == "grouped kv" else 4
+    module.num_key_value_groups = heads // kv_heads
     query = torch.randn(int(queries[-1]), heads, 8)
     key, value = torch.randn(2, int(keys[-1]), kv_heads, 8)
-    module.num_key_value_groups = heads // kv_heads
-    output, _ = packed_attention(
-        module,
-        *(tensor.transpose(0, 1)[None] for tensor in (query, key, value)),
-        None,
-        scaling=0.3,
-        cu_seq_lens_q=queries,
-        cu_seq_lens_k=keys,
-        max_length_q=int((queries[1:] - queries[:-1]).max()),
-        max_length_k=int((keys[1:] - keys[:-1]).max()),
-    )
+    return module, query, key, value, queries, keys
+
+
+def layout_of(queries, keys, causal: bool, kernel: str | None) -> packing.AttentionLayout:
+    def sequences(offsets):
+        lengths = offsets[1:] - offsets[:-1]
+        offsets_kwargs = {"cu_seq_lens_q": offsets, "max_length_q": int(lengths.max())}
+        return Sequences.of(offsets_kwargs, "q", int(offsets[-1]), kernel)
+
+    return packing.AttentionLayout.of(sequences(queries), sequences(keys), causal, kernel, torch.ones(1))
+
+
+def heads_first(*tensors):
+    """(tokens, heads, head_dim) -> the (1, heads, tokens, head_dim) the attention functions take."""
+    return [tensor.transpose(0, 1)[None] for tensor in tensors]
+
+
+@pytest.mark.parametrize("empty_sequence", [False, True])
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+@pytest.mark.parametrize("kind", ["causal self", "bidirectional self", "cross", "grouped kv"])
+def test_packed_attention_equals_attention_per_sequence(kind, implementation, empty_sequence):
+    """The fallback of `packed_attention` (rows gathered into the grid, masked SDPA or eager attention, rows gathered
+    back) against torch's SDPA run on each sequence alone; cross-attention with other query and key sequences; empty
+    sequences (fixed slots) change nothing and leave the gradient finite."""
+    module, query, key, value, queries, keys = attention_case(kind, implementation, empty_sequence)
+    layout = layout_of(queries, keys, kind == "causal self", kernel=None)
+    inputs = [tensor.requires_grad_() for tensor in heads_first(query, key, value)]
+    output, _ = packed_attention(module, *inputs, None, scaling=0.3, layout=layout)
     expected = reference_attention(query, key, value, queries, keys, kind == "causal self", 0.3)
     torch.testing.assert_close(output[0], expected, rtol=1e-5, atol=1e-6)
+    output.sum().backward()
+    assert all(tensor.grad.isfinite().all() for tensor in inputs)
 
 
 def varlen_attn_reference(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale, window_size, enable_gqa):
-    """torch's `varlen_attn` as its docstring defines it, on the CPU: (tokens, heads, head_dim) inputs, int32 offsets,
-    window (-1, 0) causal and (-1, -1) full, K/V heads shared by groups of query heads with `enable_gqa`."""
+    """torch's `varlen_attn` (torch >= 2.12) as its docstring defines it, on the CPU: (tokens, heads, head_dim)
+    inputs, int32 offsets, window (-1, 0) causal and (-1, -1) full, K/V heads shared by groups of query heads with
+    `enable_gqa`."""
     assert query.dim() == 3 and cu_seq_q.dtype == torch.int32 and window_size in ((-1, 0), (-1, -1))
     assert max_q == int((cu_seq_q[1:] - cu_seq_q[:-1]).max()) and max_k == int((cu_seq_k[1:] - cu_seq_k[:-1]).max())
     assert enable_gqa == (key.shape[1] != query.shape[1])
     return reference_attention(query, key, value, cu_seq_q, cu_seq_k, window_size == (-1, 0), scale)
 
 
+def varlen_attn_reference_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
+    """torch 2.9-2.11's `varlen_attn`: the default 1/sqrt(head_dim) scale, one K/V head per query head."""
+    assert query.dim() == 3 and cu_seq_q.dtype == torch.int32 and return_aux is None
+    assert key.shape[1] == query.shape[1], "this signature has no grouped-query attention"
+    return reference_attention(query, key, value, cu_seq_q, cu_seq_k, is_causal, query.shape[-1] ** -0.5)
+
+
+def flash_attention_reference(query, key, value, attention_mask, query_length, is_causal, dropout, softmax_scale,
+                              attn_implementation, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k,
+                              **kwargs):  # fmt: skip
+    """transformers' `_flash_attention_forward` over packed sequences (flash-attn's varlen kernel): (1, tokens,
+    heads, head_dim) inputs, K/V heads shared by groups, the output in the same layout."""
+    assert attention_mask is None and attn_implementation == "flash_attention_2" and dropout == 0.0
+    assert query_length == query.shape[1] and max_length_q == int((cu_seq_lens_q[1:] - cu_seq_lens_q[:-1]).max())
+    output = reference_attention(query[0], key[0], value[0], cu_seq_lens_q, cu_seq_lens_k, is_causal, softmax_scale)
+    return output[None]
+
+
+KERNEL_STAND_INS = {
+    "torch >= 2.12": ("torch", "scale", varlen_attn_reference),
+    "torch 2.9-2.11": ("torch", "is_causal", varlen_attn_reference_2_11),
+    "flash-attn": ("flash_attn", None, flash_attention_reference),
+}
+
+
+@pytest.mark.parametrize("kernel", list(KERNEL_STAND_INS))
 @pytest.mark.parametrize("kind", ["causal self", "cross", "grouped kv"])
-def test_packed_attention_calls_the_varlen_kernel_as_documented(kind):
-    """The CUDA branch's call of `varlen_attn` (layout, offsets, causal window, grouped heads, output shape), run on
-    the CPU against a stand-in that computes what the kernel's docstring specifies; the GPU benchmark compares the
-    real kernel with the padded computation on the device."""
-    model = build(VanillaTransformerForConditionalGeneration, num_key_value_heads=2 if kind == "grouped kv" else None)
-    stack = model.model.decoder if kind != "grouped kv" else model.model.encoder
-    module = stack.layers[0].encoder_attn if kind == "cross" else stack.layers[0].self_attn
-    queries = torch.tensor([0, 4, 5, 11], dtype=torch.int32)
-    keys = torch.tensor([0, 2, 9, 12], dtype=torch.int32) if kind == "cross" else queries
-    kv_heads = 2 if kind == "grouped kv" else 4
-    query = torch.randn(1, 4, int(queries[-1]), 8)
-    key, value = torch.randn(2, 1, kv_heads, int(keys[-1]), 8)
-    layout = dict(
-        cu_seq_lens_q=queries,
-        cu_seq_lens_k=keys,
-        max_length_q=int((queries[1:] - queries[:-1]).max()),
-        max_length_k=int((keys[1:] - keys[:-1]).max()),
+def test_packed_attention_calls_each_varlen_kernel_as_documented(kind, kernel):
+    """Each CUDA branch's call (layout, offsets, causal window, scale, grouped heads, output shape), run on the CPU
+    against a stand-in that computes what the kernel's documentation specifies, equals the fallback: torch's
+    `varlen_attn` in both its signatures (2.11's has no scale, window or grouped heads: the queries are rescaled and
+    the K/V heads repeated) and flash-attn's through transformers. The GPU benchmark runs the real kernels."""
+    name, signature, stand_in = KERNEL_STAND_INS[kernel]
+    module, query, key, value, queries, keys = attention_case(kind)
+    inputs = heads_first(query, key, value)
+    expected, _ = packed_attention(
+        module, *inputs, None, scaling=0.3, layout=layout_of(queries, keys, kind == "causal self", kernel=None)
     )
     with (
-        mock.patch.object(packing, "runs_varlen_kernel", lambda query, dropout: True),
-        mock.patch.object(packing, "varlen_attn", varlen_attn_reference),
+        mock.patch.object(packing, "VARLEN_SIGNATURE", signature),
+        mock.patch.object(packing, "varlen_attn", stand_in),
+        mock.patch("transformers.modeling_flash_attention_utils._flash_attention_forward", stand_in),
     ):
-        output, _ = packed_attention(module, query, key, value, None, scaling=0.3, **layout)
-    expected, _ = packing.padded_attention(module, query, key, value, 0.3, 0.0, *(Sequences(offsets, length) for
-        offsets, length in ((queries, layout["max_length_q"]), (keys, layout["max_length_k"]))))  # fmt: skip
+        output, _ = packed_attention(
+            module, *inputs, None, scaling=0.3, layout=layout_of(queries, keys, kind == "causal self", kernel=name)
+        )
     assert output.shape == (1, int(queries[-1]), 4, 8)
     torch.testing.assert_close(output, expected, rtol=1e-5, atol=1e-6)
 
 
-def test_the_varlen_kernel_is_called_only_where_it_takes_our_keywords():
-    """torch 2.11's `varlen_attn` has no scale, window or grouped-query keywords (the first H100 run failed on it):
-    such a kernel leaves packed attention to the padded path."""
+def test_each_varlen_signature_is_recognised():
+    """torch 2.11's `varlen_attn` takes `is_causal`, 2.13's `scale`, `window_size` and `enable_gqa` (the first H100
+    run called the newer one on 2.11 and failed); both are kernels, a function with neither is not."""
 
-    def torch_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
-                   window_size=(-1, -1)): ...  # fmt: skip
+    def torch_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None): ...
 
     def torch_2_13(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
                    window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None): ...  # fmt: skip
 
-    assert not packing.takes_our_call(torch_2_11) and packing.takes_our_call(torch_2_13)
-    assert not packing.takes_our_call(None)
-    cuda_half = mock.Mock(is_cuda=True, dtype=torch.bfloat16)
-    with mock.patch.object(packing, "VARLEN_TAKES_OUR_CALL", False):
-        assert not packing.runs_varlen_kernel(cuda_half, dropout=0.0)
-    with mock.patch.object(packing, "VARLEN_TAKES_OUR_CALL", True):
-        assert packing.runs_varlen_kernel(cuda_half, dropout=0.0)
-        assert not packing.runs_varlen_kernel(cuda_half, dropout=0.1)
-        assert not packing.runs_varlen_kernel(mock.Mock(is_cuda=True, dtype=torch.float32), dropout=0.0)
+    def unknown(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k): ...
+
+    assert packing.varlen_signature(torch_2_11) == "is_causal"
+    assert packing.varlen_signature(torch_2_13) == "scale"
+    assert packing.varlen_signature(unknown) is None and packing.varlen_signature(None) is None
 
 
-def test_sequences_positions_and_padded_index():
-    sequences = Sequences(torch.tensor([0, 3, 4, 6], dtype=torch.int32), max_length=3)
+@pytest.mark.parametrize(
+    "device, dtype, dropout, signature, flash_attn, expected",
+    [
+        ("cpu", torch.bfloat16, 0.0, "scale", True, None),  # no varlen kernel on a CPU
+        ("cuda", torch.float32, 0.0, "scale", True, None),  # the kernels run in half precision
+        ("cuda", torch.bfloat16, 0.0, "is_causal", False, "torch"),  # torch 2.11
+        ("cuda", torch.float16, 0.0, "scale", True, "torch"),  # torch's before flash-attn's
+        ("cuda", torch.bfloat16, 0.1, "scale", False, None),  # attention dropout: torch's kernel has none
+        ("cuda", torch.bfloat16, 0.1, "scale", True, "flash_attn"),  # flash-attn's has
+        ("cuda", torch.bfloat16, 0.0, None, True, "flash_attn"),  # torch without varlen_attn
+        ("cuda", torch.bfloat16, 0.0, None, False, None),
+    ],
+)
+def test_the_varlen_kernel_is_chosen_by_device_dtype_and_dropout(
+    device, dtype, dropout, signature, flash_attn, expected
+):
+    with (
+        mock.patch.object(packing, "VARLEN_SIGNATURE", signature),
+        mock.patch.object(packing, "FLASH_ATTN_INSTALLED", flash_attn),
+    ):
+        assert packing.varlen_kernel(device, dtype, dropout) == expected
+        assert packing.varlen_kernel_runs(device, dtype, dropout) == (expected is not None)
+
+
+def test_sequences_positions_and_grid():
+    """The fallback's grid: each cell's token (past a sequence's end its last token, an empty sequence's the token
+    before), each token's cell, the visible keys (one in an empty sequence)."""
+    offsets = torch.tensor([0, 3, 4, 4, 6], dtype=torch.int32)
+    sequences = Sequences.of({"cu_seq_lens_q": offsets, "max_length_q": 3}, "q", 6, kernel=None)
     assert sequences.positions(6).tolist() == [[0, 1, 2, 0, 0, 1]]
-    assert sequences.padded_index(6).tolist() == [0, 1, 2, 3, 6, 7]
-    assert sequences.lengths.tolist() == [3, 1, 2]
+    grid = sequences.grid
+    assert grid.reads.view(4, 3).tolist() == [[0, 1, 2], [3, 3, 3], [3, 3, 3], [4, 5, 5]]
+    assert grid.sequence.tolist() == [0, 0, 0, 1, 3, 3] and grid.position.tolist() == [0, 1, 2, 0, 0, 1]
+    assert grid.visible.int().tolist() == [[1, 1, 1], [1, 0, 0], [1, 0, 0], [1, 1, 0]]
+    assert Sequences.of({"cu_seq_lens_q": offsets, "max_length_q": 3}, "q", 6, kernel="torch").grid is None
 
 
 @pytest.mark.parametrize("model_class", [VanillaTransformerForConditionalGeneration, VanillaTransformerForCausalLM])
@@ -326,3 +402,91 @@ def test_gradient_checkpointing_with_a_flattened_batch():
     torch.testing.assert_close(loss, expected[0])
     for gradient, reference in zip(gradients, expected[1]):
         torch.testing.assert_close(gradient, reference)
+
+
+# Bad offsets: each corrupts one side's `cu_seq_lens`/`max_length` (tokens: 15 on the "q" side of the seq2seq batch).
+BAD_OFFSETS = {
+    "int64": (lambda offsets, longest: (offsets.long(), longest), "1-D torch.int32"),
+    "float": (lambda offsets, longest: (offsets.float(), longest), "1-D torch.int32"),
+    "past the tokens": (
+        lambda offsets, longest: (offsets + torch.tensor([0, 0, 0, 2], dtype=torch.int32), longest),
+        "rise from 0 to the token count",
+    ),  # fmt: skip
+    "short of the tokens": (lambda offsets, longest: (offsets[:-1], longest), "rise from 0 to the token count"),
+    "decreasing": (lambda offsets, longest: (offsets.flip(0).contiguous(), longest), "rise from 0"),
+    "not from 0": (lambda offsets, longest: (offsets + 1, longest), "rise from 0"),
+    "max length below the longest": (lambda offsets, longest: (offsets, longest - 1), "is shorter than a sequence"),
+    "max length missing": (lambda offsets, longest: (offsets, None), "needs max_length"),
+}
+
+
+def corrupted(batch: dict, side: str, corruption: str) -> dict:
+    corrupt, _ = BAD_OFFSETS[corruption]
+    offsets, longest = corrupt(batch[f"cu_seq_lens_{side}"], batch[f"max_length_{side}"])
+    batch = dict(batch, **{f"cu_seq_lens_{side}": offsets, f"max_length_{side}": longest})
+    return {key: value for key, value in batch.items() if value is not None}
+
+
+@pytest.mark.parametrize("side", ["q", "k"])
+@pytest.mark.parametrize("corruption", list(BAD_OFFSETS))
+def test_bad_offsets_of_a_flattened_translation_batch_are_refused(corruption, side):
+    """Offsets that are not int32, that do not rise from 0 to the token count, or a max length below the longest
+    sequence: a ValueError naming the argument (on CUDA a device-side assert, without a sync), never a loss."""
+    model = build(VanillaTransformerForConditionalGeneration)
+    batch = corrupted(DataCollatorForSeq2SeqWithFlattening(model)(translation_features()), side, corruption)
+    with pytest.raises(ValueError, match=rf"(cu_seq_lens|max_length)_{side}.*{BAD_OFFSETS[corruption][1]}"):
+        model(**batch)
+
+
+@pytest.mark.parametrize(
+    "model_class",
+    [VanillaTransformerForCausalLM, VanillaTransformerForMaskedLM, VanillaTransformerForTokenClassification],
+)
+@pytest.mark.parametrize("corruption", list(BAD_OFFSETS))
+def test_bad_offsets_of_a_flattened_single_stack_batch_are_refused(corruption, model_class):
+    overrides = dict(is_encoder_decoder=False, is_decoder=model_class is VanillaTransformerForCausalLM)
+    model = build(model_class, **overrides)
+    flattened = causal_lm_batches()[0]
+    if model_class is VanillaTransformerForTokenClassification:
+        flattened["labels"] = flattened["labels"].clamp(min=0) % 3
+    side = "k" if model_class is not VanillaTransformerForCausalLM else "q"
+    with pytest.raises(ValueError, match=rf"(cu_seq_lens|max_length)_[qk].*{BAD_OFFSETS[corruption][1]}"):
+        model(**corrupted(flattened, side, corruption))
+
+
+def test_a_flattened_batch_has_one_row():
+    model = build(VanillaTransformerForConditionalGeneration)
+    batch = DataCollatorForSeq2SeqWithFlattening(model)(translation_features())
+    batch["input_ids"] = batch["input_ids"].expand(2, -1)
+    with pytest.raises(ValueError, match="one row, got batch size 2"):
+        model(**batch)
+
+
+class OpNames(TorchDispatchMode):
+    """The aten ops dispatched while active, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_fallback_builds_its_indices_once_per_stack():
+    """The sequences' grids and masks are built once per stack forward, not in every attention call: a flattened
+    training step dispatches as many index-building ops (`searchsorted`, one per grid: the encoder's source grid,
+    the decoder's target and source grids) with 4 layers as with 1, and one gather per query, key and value."""
+
+    def ops(layers: int) -> collections.Counter[str]:
+        model = build(VanillaTransformerForConditionalGeneration, encoder_layers=layers, decoder_layers=layers)
+        batch = DataCollatorForSeq2SeqWithFlattening(model)(translation_features())
+        with OpNames() as counter:
+            model(**batch).loss.backward()
+        return counter.names
+
+    one, four = ops(1), ops(4)
+    assert one["searchsorted"] == four["searchsorted"] == 3
+    attention_calls = 4 * 3  # per layer: encoder self-, decoder self- and cross-attention
+    assert four["index_select"] == 3 * attention_calls  # query, key, value into the grid

@@ -195,10 +195,9 @@ def marian_collator(marian, tokenizer: PreTrainedTokenizerFast) -> DataCollatorF
 
 
 def ours_collator(ours, tokenizer: PreTrainedTokenizerFast, settings: Settings):
-    """What the training scripts give our model by default (flattened where a variable-length kernel runs)."""
-    return seq2seq_training_collator(
-        ours, tokenizer, device=settings.device, half_precision=True, pad_to_multiple_of=8
-    )
+    """What the training scripts give our model by default (flattened where a variable-length kernel runs). Every
+    step here runs under bfloat16 autocast (the Trainer's --bf16), a CPU smoke run's too."""
+    return seq2seq_training_collator(ours, tokenizer, device=settings.device, half_precision=True, pad_to_multiple_of=8)
 
 
 def layout_of(batch: dict) -> str:
@@ -278,15 +277,16 @@ def first_call_seconds(run: Callable[[], object], device: torch.device) -> float
 
 @dataclass
 class Candidate:
-    """One timed training step: the model and optimizer it updates (for its peak memory), its step and batch."""
+    """One timed training step and the model and optimizer it updates (their tensors count in its peak memory)."""
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     step: Callable[[], None]
 
 
-def compare_training(candidates: dict[str, Candidate], tokens: int, flops: float, peak_flops: float,
-                     settings: Settings) -> dict:  # fmt: skip
+def compare_training(
+    candidates: dict[str, Candidate], tokens: int, flops: float, peak_flops: float, settings: Settings
+) -> dict:
     """Steps timed in rotating rounds, each candidate's tokens/s, MFU, peak memory and speed against "marian"."""
     seconds = time_round_robin(
         {name: candidate.step for name, candidate in candidates.items()}, settings.repeats, device=settings.device
@@ -372,8 +372,8 @@ def trainer_section(settings: Settings) -> dict:
     collators = {"ours": ours_collator(ours, tokenizer, settings), "marian": marian_collator(marian, tokenizer)}
     steps = sum(shapes.trainer_steps)
     dataset = sentence_pairs(ours.config.vocab_size, steps * shapes.trainer_batch, shapes.lengths, seed=3)
-    first = {name: to_device(dict(collate(dataset[: shapes.trainer_batch])), settings.device)
-             for name, collate in collators.items()}  # fmt: skip
+    first_batch = dataset[: shapes.trainer_batch]
+    first = {name: to_device(dict(collate(first_batch)), settings.device) for name, collate in collators.items()}
     result = {
         "ours_collator": f"{seq2seq_training_collator.__module__}: {type(collators['ours']).__name__}",
         "ours_layout": layout_of(first["ours"]),
@@ -386,8 +386,9 @@ def trainer_section(settings: Settings) -> dict:
     }
     models = [("ours", ours), ("marian", marian)]
     for sampling in ("random", "group_by_length"):
-        runs = {name: trainer_run(model, collators[name], tokenizer, dataset, sampling, settings)
-                for name, model in models}  # fmt: skip
+        runs = {
+            name: trainer_run(model, collators[name], tokenizer, dataset, sampling, settings) for name, model in models
+        }
         speed = runs["marian"]["ms_per_step"] / runs["ours"]["ms_per_step"]
         result["sampling"][sampling] = runs | {"speed_ratio": speed}
         # The other model first next: the first to see a batch shape can pay for it (oneDNN primitives on a CPU).

@@ -19,7 +19,7 @@ SIZES: dict[str, tuple[int, int, int, int, int]] = {
     "small": (256, 3, 4, 1024, 8000),
     "transformer-base": (512, 6, 8, 2048, 37000),
 }
-# Sizes only the CPU decoding comparison uses: transformer-base with a 32000-token vocabulary.
+# Sizes of cpu_decoding.py and gpu_benchmark.py: transformer-base with a 32000-token vocabulary.
 DECODING_SIZES: dict[str, tuple[int, int, int, int, int]] = {"transformer-base-32k": (512, 6, 8, 2048, 32000)}
 # A size for smoke runs only (gpu_benchmark.py --quick on a CPU): every code path, in seconds.
 SMOKE_SIZES: dict[str, tuple[int, int, int, int, int]] = {"tiny": (64, 1, 4, 128, 512)}

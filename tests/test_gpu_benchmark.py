@@ -1,7 +1,7 @@
-"""Smoke test of benchmarks/gpu_benchmark.py: its --quick CPU run exercises every section (training eager and
-compiled, generate with dynamic and compiled static caches, the MoE experts functions, the recipe's model) and
-writes JSON with every section measured. The default layout feeds our model the flattened padded batch of
-`DataCollatorForSeq2SeqWithFlattening`."""
+"""Smoke test of benchmarks/gpu_benchmark.py: its --quick CPU run exercises every section (both models in the
+Seq2SeqTrainer with their collators, one training step at a token budget in both layouts, full rows compiled,
+greedy generate with the dynamic cache and a compiled static one, the MoE experts functions, the recipe's model) and
+writes JSON with every section measured; --sections runs only the sections named."""
 
 import json
 import math
@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SECTIONS = ("peak_matmul_flops", "training", "decoding", "moe", "multi30k_recipe", "targets")
+SECTIONS = ("trainer", "training_step", "decoding", "full_rows_compiled", "moe", "multi30k_recipe")
 
 
 def numbers(value):
@@ -28,36 +28,55 @@ def numbers(value):
             yield from numbers(item)
 
 
-def test_quick_run_measures_every_section(tmp_path):
+def quick_run(tmp_path: Path, *arguments: str) -> dict:
+    """The benchmark's --quick CPU run with `arguments`: its JSON, after checking it exited cleanly."""
     output = tmp_path / "gpu.json"
-    command = [
-        sys.executable,
-        str(ROOT / "benchmarks" / "gpu_benchmark.py"),
-        "--quick",
-        "--cpu",
-        "--output",
-        str(output),
-    ]
+    script = ROOT / "benchmarks" / "gpu_benchmark.py"
+    command = [sys.executable, str(script), "--quick", "--cpu", "--output", str(output), *arguments]
     # The script runs from benchmarks/: the checkout's package must win over an installed one.
     env = os.environ | {"PYTHONPATH": str(ROOT), "OMP_WAIT_POLICY": "PASSIVE"}
     completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
-    results = json.loads(output.read_text())
-    assert all(section in results for section in SECTIONS)
+    return json.loads(output.read_text())
+
+
+def test_quick_run_measures_every_section(tmp_path):
+    results = quick_run(tmp_path)
+    assert results["sections"] == list(SECTIONS)
+    assert all(section in results for section in ("peak_matmul_flops", *SECTIONS, "targets"))
     errors = {name: value["error"] for name, value in results.items() if isinstance(value, dict) and "error" in value}
     assert not errors
     assert all(math.isfinite(number) for number in numbers(results))
-    padded = [row for row in results["training"] if row["rows"] == "padded"]
-    assert {row["mode"] for row in padded} == {"eager", "compiled"}
-    assert all(row["collator_cpu_seconds_per_batch"]["marian"] > 0 for row in padded)
-    # Ours has a collator of its own, and a flattened batch checked against the padded one.
-    assert padded[0]["collator_cpu_seconds_per_batch"]["ours"] > 0
-    assert padded[0]["check"]["ours_flattened_vs_padded_abs_diff"] < 1e-4
-    assert {(row["cache"], row["num_beams"]) for row in results["decoding"]} == {
-        (cache, beams) for cache in ("dynamic", "static_compiled") for beams in (1, 4)
-    }
-    assert all(row["compiled"]["ours"] for row in results["decoding"] if row["cache"] == "static_compiled")
+    assert {"varlen_attn_signature", "varlen_kernel_runs_cuda_bf16"} <= set(results["environment"])
+
+    trainer = results["trainer"]
+    assert trainer["ours_layout"] == "flattened"  # the training scripts' choice on a CPU
+    assert trainer["check"]["ours_layout_abs_diff"] < 1e-4
+    assert set(trainer["sampling"]) == {"random", "group_by_length"}
+    for row in trainer["sampling"].values():
+        assert row["ours"]["optimizer"] == row["marian"]["optimizer"] == "adamw_torch_fused"
+        assert row["ours"]["ms_per_step"] > 0 and row["marian"]["ms_per_step"] > 0
+        # The same batches from the same weights: the Trainer's losses agree (dropout differs between the models).
+        assert abs(row["ours"]["train_loss"] - row["marian"]["train_loss"]) < 0.1
+
+    step = results["training_step"]
+    assert set(step["candidates"]) == {"ours_flattened", "ours_padded", "marian"}
+    assert step["check"]["ours_layout_abs_diff"] < 1e-4  # flattened against padded
+    assert all(seconds > 0 for seconds in step["collator_cpu_seconds_per_batch"].values())
+    assert 0 < step["padding_fraction"] < 1
+
+    assert all(seconds > 0 for seconds in results["full_rows_compiled"]["compile_seconds"].values())
+    assert results["decoding"]["static_compiled"] and results["decoding"]["static_same_tokens_as_eager"]
     implementations = results["moe"]["implementations"]
     assert {"sorted_grouped_mm", "grouped_mm", "eager", "batched_mm"} <= set(implementations)
     assert results["multi30k_recipe"]["steps_per_s"] > 0
-    assert len(results["targets"]) == 7
+    assert len(results["targets"]) == 6
+
+
+def test_sections_runs_only_those_named(tmp_path):
+    results = quick_run(tmp_path, "--sections", "decoding,moe")
+    assert results["sections"] == ["decoding", "moe"]
+    assert {"decoding", "moe"} <= set(results)
+    skipped = set(SECTIONS) - {"decoding", "moe"}
+    assert not skipped & set(results)
+    assert [target["name"].startswith("decode") for target in results["targets"]] == [True, True]

@@ -297,7 +297,9 @@ class VanillaTransformerStack(VanillaTransformerPreTrainedModel):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError(f"Pass exactly one of input_ids or inputs_embeds to the {type(self).__name__}.")
         offsets = {name: kwargs.pop(name) for name in FLATTENED_KEYWORDS if name in kwargs}
-        kernel = layout_kernel(self.config, self.embed_tokens.weight, self.training) if offsets else None
+        if not offsets:
+            return None, None, None
+        kernel = layout_kernel(self.config, self.embed_tokens.weight, self.training)
         length = (input_ids if input_ids is not None else inputs_embeds).shape[1]
         own = Sequences.of(offsets, "k" if isinstance(self, VanillaTransformerEncoder) else "q", length, kernel)
         sources = Sequences.of(offsets, "k", source_length, kernel) if source_length is not None else None

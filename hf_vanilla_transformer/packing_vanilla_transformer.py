@@ -265,7 +265,7 @@ def packed_attention(
 
 def torch_varlen_attention(module, query, key, value, layout: AttentionLayout, scaling: float) -> torch.Tensor:
     """torch's `varlen_attn` on (tokens, heads, head_dim) views, the projections' own memory order."""
-    query, key, value = (tensor[0].transpose(0, 1) for tensor in (query, key, value))
+    query, key, value = (tensor.squeeze(0).transpose(0, 1) for tensor in (query, key, value))
     offsets = layout.flash_kwargs().values()
     if VARLEN_SIGNATURE == "scale":
         window = (-1, 0) if module.is_causal else (-1, -1)

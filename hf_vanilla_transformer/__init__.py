@@ -29,7 +29,11 @@ from .language_modeling_vanilla_transformer import (
 )
 from .model_card_vanilla_transformer import build_model_card, write_model_card
 from .modeling_vanilla_transformer import VanillaTransformerModel, VanillaTransformerPreTrainedModel
-from .collators_vanilla_transformer import DataCollatorForSeq2SeqWithFlattening
+from .collators_vanilla_transformer import (
+    DataCollatorForSeq2SeqWithFlattening,
+    preferred_layout,
+    seq2seq_training_collator,
+)
 
 # Public names imported on first access, and the sibling module defining each.
 LAZY_NAMES: dict[str, str] = {
@@ -75,6 +79,8 @@ __all__ = [
     "VanillaTransformerForImageClassification",
     "image_classification_config",
     "DataCollatorForSeq2SeqWithFlattening",
+    "preferred_layout",
+    "seq2seq_training_collator",
     "build_model_card",
     "write_model_card",
     "push_repository",

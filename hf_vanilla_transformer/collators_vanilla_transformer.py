@@ -19,6 +19,8 @@ from .packing_vanilla_transformer import varlen_kernel_runs
 logger = logging.get_logger(__name__)
 
 Layout = Literal["flattened", "padded"]
+# Padded batches' length is a multiple of 8 unless asked otherwise: tensor cores' multiple in half precision.
+PADDED_MULTIPLE_OF = 8
 
 
 class DataCollatorForSeq2SeqWithFlattening:
@@ -180,15 +182,15 @@ def seq2seq_training_collator(
     num_sequences: int | None = None,
 ) -> "DataCollatorForSeq2SeqWithFlattening | DataCollatorForSeq2Seq":
     """The training collator of `preferred_layout`: `DataCollatorForSeq2SeqWithFlattening` with the static-shape
-    options, or transformers' `DataCollatorForSeq2Seq` padding to `pad_to_multiple_of` (default 8, tensor cores'
-    multiple). The padded layout has no sequence slots: there `num_sequences` does nothing. Logs the choice."""
+    options, or transformers' `DataCollatorForSeq2Seq` padding to `pad_to_multiple_of` (default
+    `PADDED_MULTIPLE_OF`). The padded layout has no sequence slots: there `num_sequences` does nothing. Logs the choice."""
     layout, reason = layout_choice(model, device, half_precision)
     logger.info("Training batches: the %s layout (%s)", layout, reason)
     if layout == "flattened":
         return DataCollatorForSeq2SeqWithFlattening(
             model, pad_to_multiple_of=pad_to_multiple_of, num_sequences=num_sequences
         )
-    return DataCollatorForSeq2Seq(tokenizer, model=model, pad_to_multiple_of=pad_to_multiple_of or 8)
+    return DataCollatorForSeq2Seq(tokenizer, model=model, pad_to_multiple_of=pad_to_multiple_of or PADDED_MULTIPLE_OF)
 
 
 __all__ = ["DataCollatorForSeq2SeqWithFlattening", "preferred_layout", "seq2seq_training_collator"]

@@ -115,7 +115,8 @@ def test_a_static_batch_trains_as_the_plain_flattened_batch(options, lengths):
 
 def test_static_options_are_checked_with_their_names():
     tokens = dict(decoder_start_token_id=START, pad_token_id=PAD)
-    for name, value in [("pad_to_multiple_of", 0), ("num_sequences", 0), ("num_sequences", 2.5), ("num_sequences", True)]:
+    bad = [("pad_to_multiple_of", 0), ("num_sequences", 0), ("num_sequences", 2.5), ("num_sequences", True)]
+    for name, value in bad:
         with pytest.raises(ValueError, match=name):
             DataCollatorForSeq2SeqWithFlattening(**tokens, **{name: value})
     with pytest.raises(ValueError, match="num_sequences=1 leaves no slot"):

@@ -196,3 +196,57 @@ def test_the_training_collator_follows_the_layout_and_keeps_transformers_models_
     with mock.patch.object(collators, "varlen_kernel_runs", return_value=False):
         padded = seq2seq_training_collator(model, tokenizer, device="cuda", half_precision=True, pad_to_multiple_of=64)
     assert type(padded) is DataCollatorForSeq2Seq and padded.pad_to_multiple_of == 64
+
+
+# --- a compiled step over static batches ----------------------------------------------------------------------------
+
+
+def multi30k_like_pairs(count: int, seed: int) -> list[dict]:
+    """Sentence pairs whose source and target lengths are drawn like Multi30k's BPE sentences: 5 to 40 tokens,
+    mean about 13 (a gamma distribution, shape 4 and scale 1 / 0.3)."""
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.distributions.Gamma(4.0, 0.3).sample((2, count)).round().clamp(5, 40).long()
+    return [
+        {"input_ids": torch.randint(3, 64, (s,), generator=generator).tolist(),
+         "labels": torch.randint(3, 64, (t,), generator=generator).tolist()}
+        for s, t in lengths.T.tolist()
+    ]  # fmt: skip
+
+
+def test_a_compiled_training_step_compiles_one_graph_per_bucket():
+    """50 token-budget batches (256 tokens a stream) of Multi30k-like pairs through the static collator (streams
+    padded to multiples of 64, one number of sequence slots): the training forward, compiled as one graph, is
+    compiled again only for new stream lengths, at most once per bucket of 64 tokens up to the budget, and nothing
+    else (a Python int it branches on, a guard on a value) recompiles it. Batches that fill the budget leave few
+    stream lengths."""
+    torch.manual_seed(1)
+    pairs = multi30k_like_pairs(1000, seed=0)
+    budget, multiple = 256, 64
+    sampler = TokenBudgetBatchSampler(
+        [len(pair["input_ids"]) for pair in pairs], [len(pair["labels"]) for pair in pairs], budget,
+        flattened=True, pad_to_multiple_of=multiple, seed=0,
+    )  # fmt: skip
+    model = translation_model(encoder_layers=1, decoder_layers=1)
+    collator = DataCollatorForSeq2SeqWithFlattening(
+        model, pad_to_multiple_of=multiple, num_sequences=sampler.largest_batch + 1
+    )
+    batches = [collator([pairs[i] for i in batch]) for batch, _ in zip(sampler, range(50))]
+    assert len(batches) == 50
+    shapes = {(batch["input_ids"].shape[1], batch["labels"].shape[1]) for batch in batches}
+    assert {(batch["max_length_k"], batch["max_length_q"]) for batch in batches} == {(multiple, multiple)}
+
+    graphs = []
+
+    def counting_backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward  # eager: only the number of graphs matters here
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=counting_backend, fullgraph=True, dynamic=False)
+    try:
+        for batch in batches:
+            compiled(**batch).loss.backward()
+    finally:
+        torch._dynamo.reset()
+    buckets = budget // multiple  # the stream lengths a batch can take: 64, 128, 192, 256
+    assert len(graphs) == len(shapes) <= buckets

@@ -468,6 +468,7 @@ def test_token_budget_refuses_a_budget_below_the_longest_pair():
         (["--pad_to_multiple_of", "0"], "--pad_to_multiple_of must be 1 or more"),
         (["--max_tokens", "512", "--per_device_train_batch_size", "16"], "drop --per_device_train_batch_size"),
         (["--max_tokens", "512", "--train_sampling_strategy", "group_by_length"], "--train_sampling_strategy"),
+        (["--num_sequences", "8", "--pad_to_multiple_of", "8"], "8 pairs do not fit --num_sequences 8 slots"),
     ],
 )
 def test_batching_flags_refuse_what_conflicts(tmp_path, flags, message):

@@ -12,6 +12,7 @@ Examples:
     python training/train_seq2seq.py --output_dir out/demo --preset demo-small --do_train --do_eval \
         --max_steps 600 --warmup_steps 200 --per_device_train_batch_size 64
     bash training/recipes/multi30k.sh ../shared/data/multi30k out/multi30k   # a time budget, then averaging
+    python training/train_seq2seq.py ... --max_tokens 4096 --pad_to_multiple_of 256 --torch_compile  # few shapes
     python training/train_seq2seq.py --output_dir out/wmt --dataset_name wmt14 --dataset_config_name de-en \\
         --source_lang en --target_lang de --tokenizer_vocab_size 37000 --do_train --do_eval --max_steps 100000
     accelerate launch --config_file training/accelerate_configs/ddp.yaml training/train_seq2seq.py ...

@@ -53,6 +53,12 @@ class BatchingArguments:
                 raise ValueError(f"--{name} must be 1 or more, got {getattr(self, name)}.")
         super().__post_init__()
         if self.max_tokens is None:
+            slots = self.sentences_per_batch()
+            if slots is not None and self.per_device_train_batch_size > slots:
+                raise ValueError(
+                    f"--per_device_train_batch_size {self.per_device_train_batch_size} pairs do not fit "
+                    f"--num_sequences {self.num_sequences} slots{' with the padding' if self.pad_to_multiple_of else ''}."
+                )
             return
         if self.per_device_train_batch_size != DEFAULT_BATCH_SIZE:
             raise ValueError(

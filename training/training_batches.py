@@ -55,9 +55,10 @@ class BatchingArguments:
         if self.max_tokens is None:
             slots = self.sentences_per_batch()
             if slots is not None and self.per_device_train_batch_size > slots:
+                padding = " with the padding" if self.pad_to_multiple_of else ""
                 raise ValueError(
                     f"--per_device_train_batch_size {self.per_device_train_batch_size} pairs do not fit "
-                    f"--num_sequences {self.num_sequences} slots{' with the padding' if self.pad_to_multiple_of else ''}."
+                    f"--num_sequences {self.num_sequences} slots{padding}."
                 )
             return
         if self.per_device_train_batch_size != DEFAULT_BATCH_SIZE:

@@ -16,7 +16,11 @@ from .classification_vanilla_transformer import (
     VanillaTransformerForSequenceClassification,
     VanillaTransformerForTokenClassification,
 )
-from .collators_vanilla_transformer import DataCollatorForSeq2SeqWithFlattening
+from .collators_vanilla_transformer import (
+    DataCollatorForSeq2SeqWithFlattening,
+    preferred_layout,
+    seq2seq_training_collator,
+)
 from .configuration_vanilla_transformer import VanillaTransformerConfig
 from .hub_vanilla_transformer import push_repository
 from .image_classification_vanilla_transformer import (
@@ -75,6 +79,8 @@ __all__ = [
     "VanillaTransformerForImageClassification",
     "image_classification_config",
     "DataCollatorForSeq2SeqWithFlattening",
+    "preferred_layout",
+    "seq2seq_training_collator",
     "build_model_card",
     "write_model_card",
     "push_repository",

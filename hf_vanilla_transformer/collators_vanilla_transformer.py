@@ -1,10 +1,26 @@
 """Collators for padding-free training: translation pairs laid end to end, with the offsets of their sequences,
-built on the CPU once per batch (what the model's attention reads: packing_vanilla_transformer)."""
+built on the CPU once per batch (what the model's attention reads: packing_vanilla_transformer).
 
-from typing import Any
+Which layout a training run takes is chosen once, from the device (`preferred_layout`): the flattened one where it
+is the faster, the padded one elsewhere (`seq2seq_training_collator` builds the collator of either).
+"""
+
+from typing import Any, Literal
 
 import torch
+from transformers import DataCollatorForSeq2Seq, PreTrainedTokenizerBase
 from transformers.models.bart.modeling_bart import shift_tokens_right
+from transformers.utils import logging
+
+from .configuration_vanilla_transformer import VanillaTransformerConfig
+from .inputs_vanilla_transformer import IGNORE_INDEX
+from .packing_vanilla_transformer import varlen_kernel_runs
+
+logger = logging.get_logger(__name__)
+
+Layout = Literal["flattened", "padded"]
+# Padded batches' length is a multiple of 8 unless asked otherwise: tensor cores' multiple in half precision.
+PADDED_MULTIPLE_OF = 8
 
 
 class DataCollatorForSeq2SeqWithFlattening:
@@ -14,9 +30,31 @@ class DataCollatorForSeq2SeqWithFlattening:
 
     A batch whose sources and targets all have one length has no padding to skip: it is returned in the (batch,
     length) layout without masks, the layout every attention kernel runs fastest.
+
+    Static shapes, so that a compiled step is one graph from batch to batch (torch.compile specialises on shapes and
+    on the Python ints `max_length_q/k`; CUDA graphs need fixed shapes):
+
+    - `pad_to_multiple_of`: each stream (source, target) ends with one more sequence, of pad tokens (labels -100, so
+      nothing is added to the loss; positions from 0), that fills it up to a multiple of this many tokens; it has at
+      least one token on each side, so that its target tokens have source tokens to attend to. `max_length_q/k` are
+      rounded up to the same multiple.
+    - `num_sequences`: the number of sequence slots, the length of `cu_seq_lens_q/k` minus 1; the slots a batch does
+      not use are empty sequences (repeated offsets). A batch needs one slot per pair, plus one for the padding.
+
+    Either one returns every batch in the flattened layout. The sequences of source and target always pair up one
+    to one: cross-attention reads target sequence i against source sequence i. (A Mixture-of-Experts router also
+    routes the pad tokens: they count in its load-balancing statistics and its expert capacity.)
     """
 
-    def __init__(self, model=None, *, decoder_start_token_id: int | None = None, pad_token_id: int | None = None):
+    def __init__(
+        self,
+        model=None,
+        *,
+        decoder_start_token_id: int | None = None,
+        pad_token_id: int | None = None,
+        pad_to_multiple_of: int | None = None,
+        num_sequences: int | None = None,
+    ):
         config = getattr(model, "config", None)
         self.decoder_start_token_id = first_set(decoder_start_token_id, getattr(config, "decoder_start_token_id", None))
         self.pad_token_id = first_set(pad_token_id, getattr(config, "pad_token_id", None))
@@ -25,6 +63,25 @@ class DataCollatorForSeq2SeqWithFlattening:
                 "DataCollatorForSeq2SeqWithFlattening needs decoder_start_token_id and pad_token_id: pass the model "
                 "(its config has them) or give both."
             )
+        for name, value in (("pad_to_multiple_of", pad_to_multiple_of), ("num_sequences", num_sequences)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"{name} must be None or an int >= 1, got {value!r}.")
+        if pad_to_multiple_of is not None and num_sequences == 1:
+            raise ValueError("num_sequences=1 leaves no slot for a sentence once pad_to_multiple_of takes one.")
+        # The padding's positions run up to pad_to_multiple_of - 1: learned positions must have them.
+        if getattr(config, "position_embedding_type", None) == "learned" and pad_to_multiple_of is not None:
+            if pad_to_multiple_of > config.max_position_embeddings:
+                raise ValueError(
+                    f"pad_to_multiple_of={pad_to_multiple_of} exceeds the model's learned positions "
+                    f"(max_position_embeddings={config.max_position_embeddings}): the padding's sequence could be "
+                    "that long."
+                )
+        self.pad_to_multiple_of = pad_to_multiple_of
+        self.num_sequences = num_sequences
+
+    @property
+    def static_shapes(self) -> bool:
+        return self.pad_to_multiple_of is not None or self.num_sequences is not None
 
     def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
         sources = [torch.as_tensor(feature["input_ids"], dtype=torch.long) for feature in features]
@@ -32,11 +89,24 @@ class DataCollatorForSeq2SeqWithFlattening:
         if any(len(sequence) == 0 for sequence in sources + labels):
             raise ValueError("Every feature needs at least one input id and one label.")
         decoder_inputs = [self.shift(sequence) for sequence in labels]
-        if len({len(sequence) for sequence in sources}) == 1 and len({len(sequence) for sequence in labels}) == 1:
+        equal_lengths = len({len(sequence) for sequence in sources}) == len({len(sequence) for sequence in labels}) == 1
+        if equal_lengths and not self.static_shapes:
             return dict(
                 input_ids=torch.stack(sources),
                 labels=torch.stack(labels),
                 decoder_input_ids=torch.stack(decoder_inputs),
+            )
+        if self.pad_to_multiple_of is not None:
+            source_padding, target_padding = self.padding_length(sources), self.padding_length(labels)
+            sources.append(torch.full((source_padding,), self.pad_token_id))
+            labels.append(torch.full((target_padding,), IGNORE_INDEX))
+            decoder_inputs.append(torch.full((target_padding,), self.pad_token_id))
+        if self.num_sequences is not None and len(sources) > self.num_sequences:
+            padding = " and the padding's" if self.pad_to_multiple_of is not None else ""
+            raise ValueError(
+                f"A batch of {len(features)} sentence pairs needs {len(sources)} sequence slots (one per "
+                f"pair{padding}), more than num_sequences={self.num_sequences}: raise num_sequences or cap the "
+                "batches' sentences."
             )
         return dict(
             input_ids=torch.cat(sources)[None],
@@ -44,12 +114,27 @@ class DataCollatorForSeq2SeqWithFlattening:
             labels=torch.cat(labels)[None],
             decoder_input_ids=torch.cat(decoder_inputs)[None],
             decoder_position_ids=positions_of(labels),
-            **offsets_of(sources, "k"),
-            **offsets_of(labels, "q"),
+            **self.offsets(sources, "k"),
+            **self.offsets(labels, "q"),
         )
 
     def shift(self, labels: torch.Tensor) -> torch.Tensor:
         return shift_tokens_right(labels[None], self.pad_token_id, self.decoder_start_token_id)[0]
+
+    def round_up(self, length: int) -> int:
+        multiple = self.pad_to_multiple_of or 1
+        return -(-length // multiple) * multiple
+
+    def padding_length(self, sequences: list[torch.Tensor]) -> int:
+        """Tokens of the padding's sequence: at least one, up to the next multiple of `pad_to_multiple_of`."""
+        tokens = sum(len(sequence) for sequence in sequences)
+        return self.round_up(tokens + 1) - tokens
+
+    def offsets(self, sequences: list[torch.Tensor], side: str) -> dict[str, Any]:
+        lengths = [len(sequence) for sequence in sequences]
+        empty_slots = [0] * ((self.num_sequences or len(lengths)) - len(lengths))
+        cu_seq_lens = torch.tensor([0, *lengths, *empty_slots]).cumsum(0).to(torch.int32)
+        return {f"cu_seq_lens_{side}": cu_seq_lens, f"max_length_{side}": self.round_up(max(lengths))}
 
 
 def first_set(*values):
@@ -60,10 +145,52 @@ def positions_of(sequences: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([torch.arange(len(sequence)) for sequence in sequences])[None]
 
 
-def offsets_of(sequences: list[torch.Tensor], side: str) -> dict[str, Any]:
-    lengths = torch.tensor([len(sequence) for sequence in sequences])
-    cu_seq_lens = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
-    return {f"cu_seq_lens_{side}": cu_seq_lens, f"max_length_{side}": int(lengths.max())}
+def layout_choice(model, device: torch.device | str, half_precision: bool) -> tuple[Layout, str]:
+    """`preferred_layout` and the reason for it, for the log."""
+    device = torch.device(device)
+    model_type = getattr(model.config, "model_type", None)
+    if model_type != VanillaTransformerConfig.model_type:
+        return "padded", f"a {model_type} model: transformers' models read padded batches only"
+    if device.type == "cpu":
+        return "flattened", "on the CPU it skips the padding in every position-wise layer, which is the larger cost"
+    dtype = torch.bfloat16 if half_precision else torch.float32
+    dropout = model.config.attention_dropout
+    if varlen_kernel_runs(device, dtype, dropout):
+        return "flattened", f"a variable-length attention kernel runs on {device.type} in {dtype}"
+    return "padded", (
+        f"no variable-length attention kernel runs on {device.type} in {dtype} with attention dropout {dropout}, "
+        "and the flattened layout's fallback launches more kernels than padded attention"
+    )
 
 
-__all__ = ["DataCollatorForSeq2SeqWithFlattening"]
+def preferred_layout(model, device: torch.device | str, half_precision: bool) -> Layout:
+    """The layout of a training run's batches that is not slower than the other one on `device`: "flattened" on the
+    CPU (it skips the padding in every position-wise layer, the bulk of the work there) and where a variable-length
+    attention kernel runs (CUDA, in half precision, without attention dropout: `varlen_kernel_runs`); "padded"
+    elsewhere (a GPU's step is bound by kernel launches, and the flattened layout's attention fallback launches
+    more) and for models other than this package's. Decided once per run, not per batch."""
+    return layout_choice(model, device, half_precision)[0]
+
+
+def seq2seq_training_collator(
+    model,
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    device: torch.device | str,
+    half_precision: bool,
+    pad_to_multiple_of: int | None = None,
+    num_sequences: int | None = None,
+) -> "DataCollatorForSeq2SeqWithFlattening | DataCollatorForSeq2Seq":
+    """The training collator of `preferred_layout`: `DataCollatorForSeq2SeqWithFlattening` with the static-shape
+    options, or transformers' `DataCollatorForSeq2Seq` padding to `pad_to_multiple_of` (default
+    `PADDED_MULTIPLE_OF`). The padded layout has no sequence slots: there `num_sequences` does nothing. Logs the choice."""
+    layout, reason = layout_choice(model, device, half_precision)
+    logger.info("Training batches: the %s layout (%s)", layout, reason)
+    if layout == "flattened":
+        return DataCollatorForSeq2SeqWithFlattening(
+            model, pad_to_multiple_of=pad_to_multiple_of, num_sequences=num_sequences
+        )
+    return DataCollatorForSeq2Seq(tokenizer, model=model, pad_to_multiple_of=pad_to_multiple_of or PADDED_MULTIPLE_OF)
+
+
+__all__ = ["DataCollatorForSeq2SeqWithFlattening", "preferred_layout", "seq2seq_training_collator"]

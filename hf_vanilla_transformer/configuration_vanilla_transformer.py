@@ -26,6 +26,12 @@ Initialization = Literal["xavier", "normal"]
 
 GATED_FFN_TYPES = ("glu", "bilinear", "reglu", "geglu", "swiglu")
 
+# Fields that config.json files written by earlier versions carry and that no longer describe the model: dropped when
+# such a file loads (the base class would keep them as attributes and write them back on save).
+# `padding_free`: whether batches are laid end to end is the training scripts' choice, from the device
+# (collators_vanilla_transformer.preferred_layout).
+RETIRED_FIELDS = ("padding_free",)
+
 # Paper Table 3: N, d_model, d_ff, h, P_drop (d_k = d_v = d_model / h follows from the head count).
 PRESETS: dict[str, dict[str, Any]] = {
     "transformer-base": dict(layers=6, d_model=512, ffn_dim=2048, heads=8, dropout=0.1),
@@ -136,7 +142,7 @@ class VanillaTransformerConfig(PreTrainedConfig):
         "layers.*.mlp.experts.up_proj_bias": "grouped_gemm",
         "layers.*.mlp.experts.down_proj_bias": "grouped_gemm",
     }
-    # Pipeline parallelism: consecutive layers per rank (the causal LM only, see `check_pipeline_parallel`).
+    # Pipeline parallelism: consecutive layers per rank (the causal LM only, see `check_parallelism`).
     base_model_pp_plan = {
         "embed_tokens": (["input_ids"], ["inputs_embeds"]),
         "layers": (["hidden_states", "attention_mask"], ["hidden_states"]),
@@ -177,8 +183,6 @@ class VanillaTransformerConfig(PreTrainedConfig):
     # The base of the rotary wavelengths 2pi theta^(2i/d): below 1 they would shrink with i.
     rope_theta: float | int = interval(min=1.0, max=math.inf, exclude_max=True)(default=10000.0)
     scale_embedding: bool = True  # multiply token embeddings by sqrt(d_model) (§3.4)
-    # The training scripts lay batches end to end (packing_vanilla_transformer): same outputs, no work on padding.
-    padding_free: bool = True
     share_encoder_decoder_embeddings: bool = True  # one source/target embedding (§3.4)
     tie_word_embeddings: bool = True  # pre-softmax projection = target embedding (§3.4)
 
@@ -228,6 +232,8 @@ class VanillaTransformerConfig(PreTrainedConfig):
         check_dtype("dtype", self.dtype)
         check_dtype("torch_dtype", kwargs.get("torch_dtype"))
         check_label_arguments(self.id2label, kwargs.get("num_labels"))
+        for name in RETIRED_FIELDS:
+            kwargs.pop(name, None)
         super().__post_init__(**kwargs)
         # Attention weights need the eager implementation: asking for them picks it unless another was chosen, as
         # transformers' own `output_attentions` setter does (the base class bypasses that setter here).

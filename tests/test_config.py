@@ -102,7 +102,6 @@ def valid_fields(draw) -> dict[str, Any]:
         sinusoidal_layout=draw(st.sampled_from(["interleaved", "concatenated"])),
         rope_theta=draw(at_least(1.0, 1e7)),
         scale_embedding=draw(st.booleans()),
-        padding_free=draw(st.booleans()),
         share_encoder_decoder_embeddings=draw(st.booleans()),
         tie_word_embeddings=draw(st.booleans()),
         num_experts=num_experts,
@@ -199,7 +198,6 @@ BOOLS = {  # name: whether None is allowed
     "use_bias": False,
     "lm_head_bias": False,
     "scale_embedding": False,
-    "padding_free": False,
     "share_encoder_decoder_embeddings": False,
     "tie_word_embeddings": False,
     "norm_topk_prob": False,
@@ -548,3 +546,17 @@ def test_a_config_saved_before_is_decoder_and_filled_key_value_heads_loads_the_s
     config = AutoConfig.from_pretrained(tmp_path)
     assert config.is_decoder is False and config.stacks == ("encoder", "decoder")
     assert (config.key_value_heads(config.encoder_attention_heads), config.key_value_heads(2)) == (4, 2)
+
+
+@pytest.mark.parametrize("padding_free", [True, False])
+def test_a_config_saved_with_padding_free_loads_and_saves_without_it(tmp_path, padding_free):
+    """`padding_free` was a field until the training scripts chose the layout from the device: a config.json that
+    carries it (either value) loads as the same config, and saving writes it no more."""
+    old = {**TINY, "model_type": "vanilla_transformer", "padding_free": padding_free}
+    (tmp_path / "old" / "config.json").parent.mkdir()
+    (tmp_path / "old" / "config.json").write_text(json.dumps(old))
+    config = AutoConfig.from_pretrained(tmp_path / "old")
+    assert config.to_diff_dict() == VanillaTransformerConfig(**TINY).to_diff_dict()
+    assert not hasattr(config, "padding_free")
+    config.save_pretrained(tmp_path / "new")
+    assert "padding_free" not in json.loads((tmp_path / "new" / "config.json").read_text())

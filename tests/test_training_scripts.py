@@ -23,11 +23,13 @@ sys.path.insert(0, str(TRAINING_DIR))
 import average_checkpoints  # noqa: E402
 import train_causal_lm  # noqa: E402
 import train_seq2seq  # noqa: E402
+import training_batches  # noqa: E402
 from run_common import noam_scheduler, parse_config_overrides  # noqa: E402
 from transformers import MarianConfig, MarianMTModel  # noqa: E402
 from transformers.trainer_pt_utils import LabelSmoother  # noqa: E402
 
 from hf_vanilla_transformer import (  # noqa: E402
+    DataCollatorForSeq2SeqWithFlattening,
     VanillaTransformerConfig,
     VanillaTransformerForCausalLM,
     VanillaTransformerForConditionalGeneration,
@@ -409,3 +411,130 @@ def test_accelerate_launch_two_cpu_processes(tmp_path):
     assert results["train_steps_per_second"] > 0 and "eval_bleu" in results
     assert json.loads((output_dir / "config.json").read_text())["model_type"] == "vanilla_transformer"
     assert (output_dir / "README.md").exists()
+
+
+# --- training batches: the device's layout, token budgets (training/training_batches.py) ---------------------------
+
+
+def budget_tokens(lengths: list[int], layout: str, multiple: int | None) -> int:
+    """A stream's tokens, written out again: padded = rows x longest (rounded up to the multiple); flattened = the
+    sum, plus the padding's sequence (at least one token) up to the multiple."""
+    if layout == "padded":
+        longest = max(lengths) if multiple is None else math.ceil(max(lengths) / multiple) * multiple
+        return len(lengths) * longest
+    return sum(lengths) if multiple is None else math.ceil((sum(lengths) + 1) / multiple) * multiple
+
+
+@pytest.mark.parametrize(
+    ("layout", "multiple", "max_sentences"), [("padded", None, None), ("flattened", None, 7), ("flattened", 32, None)]
+)
+def test_token_budget_batches_hold_the_budget_and_cover_every_example_once_per_epoch(layout, multiple, max_sentences):
+    generator = torch.Generator().manual_seed(0)
+    sources, targets = torch.randint(1, 41, (2, 500), generator=generator).tolist()
+    options = dict(flattened=layout == "flattened", pad_to_multiple_of=multiple, max_sentences=max_sentences)
+    sampler = training_batches.TokenBudgetBatchSampler(sources, targets, 256, seed=3, **options)
+    epochs = []
+    for epoch in range(3):
+        sampler.set_epoch(epoch)
+        epochs.append(list(sampler))
+        assert sorted(index for batch in epochs[-1] for index in batch) == list(range(500)), epoch
+        for batch in epochs[-1]:
+            for lengths in ([sources[i] for i in batch], [targets[i] for i in batch]):
+                assert budget_tokens(lengths, layout, multiple) <= 256
+            assert max_sentences is None or len(batch) <= max_sentences
+    assert len(epochs[0]) == len(sampler) and sorted(epochs[0]) == sorted(epochs[1]) and epochs[0] != epochs[1]
+    # Batches that fill the budget: the next pair by length would not have fitted (the last one takes the rest).
+    assert sum(map(len, epochs[0])) / len(sampler) > 256 / 40 / 2
+    # What a resumed run rebuilds: the same batches in the same order for (seed, epoch); another seed differs.
+    again = training_batches.TokenBudgetBatchSampler(sources, targets, 256, seed=3, **options)
+    again.set_epoch(1)
+    assert list(again) == epochs[1]
+    other = training_batches.TokenBudgetBatchSampler(sources, targets, 256, seed=4, **options)
+    other.set_epoch(1)
+    assert list(other) != epochs[1]
+
+
+def test_token_budget_refuses_a_budget_below_the_longest_pair():
+    with pytest.raises(ValueError, match="--max_tokens 40 cannot hold the longest training pair"):
+        training_batches.token_budget_batches([10, 41], [12, 3], 40, flattened=False)
+    with pytest.raises(ValueError, match="with its padding"):  # 40 tokens and at least one of padding: 64
+        training_batches.token_budget_batches([10, 40], [12, 3], 40, flattened=True, pad_to_multiple_of=32)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--max_tokens", "0"], "--max_tokens must be 1 or more"),
+        (["--pad_to_multiple_of", "0"], "--pad_to_multiple_of must be 1 or more"),
+        (["--max_tokens", "512", "--per_device_train_batch_size", "16"], "drop --per_device_train_batch_size"),
+        (["--max_tokens", "512", "--train_sampling_strategy", "group_by_length"], "--train_sampling_strategy"),
+        (["--num_sequences", "8", "--pad_to_multiple_of", "8"], "8 pairs do not fit --num_sequences 8 slots"),
+    ],
+)
+def test_batching_flags_refuse_what_conflicts(tmp_path, flags, message):
+    argv = [*SEQ2SEQ_DEMO, "--output_dir", str(tmp_path / "run"), "--do_train", "--max_steps", "1", *flags]
+    with pytest.raises(ValueError, match=message):
+        train_seq2seq.main(argv)
+
+
+class TrainerBuilt(Exception):
+    """Stops a script once its trainer exists."""
+
+
+def record_trainer(monkeypatch) -> dict:
+    """Replace the script's trainer with one that records itself and stops the script (raising TrainerBuilt)."""
+    seen = {}
+
+    class RecordingTrainer(train_seq2seq.PaperSeq2SeqTrainer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            seen["trainer"] = self
+            raise TrainerBuilt
+
+    monkeypatch.setattr(train_seq2seq, "PaperSeq2SeqTrainer", RecordingTrainer)
+    return seen
+
+
+def test_max_tokens_reaches_the_trainers_train_dataloader_in_static_shapes(tmp_path, monkeypatch):
+    """On the CPU the script trains on flattened batches; --max_tokens and --pad_to_multiple_of make every batch of
+    an epoch a budget-held batch of the sampler, each stream a multiple of 32 tokens and one number of sequences
+    (the largest batch's and the padding's); evaluation keeps padded batches of sentences."""
+    seen = record_trainer(monkeypatch)
+    argv = [*SEQ2SEQ_DEMO, "--output_dir", str(tmp_path / "run"), "--do_train", "--do_eval", "--max_steps", "1"]
+    with pytest.raises(TrainerBuilt):
+        train_seq2seq.main([*argv, "--max_tokens", "256", "--pad_to_multiple_of", "32"])
+    trainer = seen["trainer"]
+    sampler = trainer.train_batch_sampler
+    assert isinstance(sampler, training_batches.TokenBudgetBatchSampler)
+    assert isinstance(trainer.train_data_collator, DataCollatorForSeq2SeqWithFlattening)
+    batches = list(trainer.get_train_dataloader())
+    assert len(batches) == len(sampler) > 1
+    assert sum(int((batch["labels"] != -100).sum()) for batch in batches) == sum(
+        len(labels) for labels in trainer.train_dataset["labels"]
+    )  # every target token once
+    for batch in batches:
+        for stream, offsets in (("input_ids", "cu_seq_lens_k"), ("labels", "cu_seq_lens_q")):
+            tokens = batch[stream].shape[1]
+            assert tokens % 32 == 0 and tokens <= 256 and batch[offsets][-1] == tokens
+            assert len(batch[offsets]) == sampler.largest_batch + 2
+    evaluation = next(iter(trainer.get_eval_dataloader()))
+    assert evaluation["input_ids"].shape[0] == 16 and "cu_seq_lens_k" not in evaluation
+
+
+def test_resume_with_token_budget_batches_equals_the_uninterrupted_run(tmp_path):
+    """A run stopped in its second epoch of --max_tokens batches and resumed from its checkpoint ends with the
+    uninterrupted run's weights: the resumed run rebuilds the same batches, in the same order for that epoch, and
+    skips those already trained on."""
+    argv = [*SEQ2SEQ_DEMO, "--do_train", "--demo_train_size", "60", "--max_tokens", "256", "--pad_to_multiple_of"]
+    argv += ["32", "--save_steps", "12", "--logging_steps", "100", "--max_steps", "14"]
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    train_seq2seq.main([*argv, "--output_dir", str(full)])
+    state = json.loads((full / "checkpoint-12" / "trainer_state.json").read_text())
+    assert 1 < state["epoch"] < 2  # the checkpoint is inside the second epoch
+    resumed.mkdir()
+    shutil.copytree(full / "checkpoint-12", resumed / "checkpoint-12")
+    checkpoint = resumed / "checkpoint-12"
+    train_seq2seq.main([*argv, "--output_dir", str(resumed), "--resume_from_checkpoint", str(checkpoint)])
+    uninterrupted, after_resume = weights(full), weights(resumed)
+    for name, tensor in uninterrupted.items():
+        assert torch.equal(tensor, after_resume[name]), name

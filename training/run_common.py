@@ -175,26 +175,6 @@ def label_smoothed_loss(epsilon: float) -> Callable[..., torch.Tensor]:
     return loss
 
 
-class PaddingFreeTrainingMixin(Trainer):
-    """Training batches laid end to end with their layout (`train_data_collator`, e.g. the package's
-    `DataCollatorForSeq2SeqWithFlattening` when the model's `config.padding_free` is set), so that no layer of a
-    training step runs on padding; evaluation and prediction keep `data_collator`'s padded batches, which `generate`
-    needs."""
-
-    def __init__(self, *args, train_data_collator=None, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.train_data_collator = train_data_collator
-
-    def get_train_dataloader(self):
-        if self.train_data_collator is None:
-            return super().get_train_dataloader()
-        padded, self.data_collator = self.data_collator, self.train_data_collator
-        try:
-            return super().get_train_dataloader()
-        finally:
-            self.data_collator = padded
-
-
 class ModelLossMixin(Trainer):
     """The training loss computed inside our models, label smoothing included. transformers' Trainer smooths by
     taking the labels away from the model and scoring the logits of every position afterwards, padding included, in

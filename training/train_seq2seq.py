@@ -12,6 +12,7 @@ Examples:
     python training/train_seq2seq.py --output_dir out/demo --preset demo-small --do_train --do_eval \
         --max_steps 600 --warmup_steps 200 --per_device_train_batch_size 64
     bash training/recipes/multi30k.sh ../shared/data/multi30k out/multi30k   # a time budget, then averaging
+    python training/train_seq2seq.py ... --max_tokens 4096 --pad_to_multiple_of 256 --torch_compile  # few shapes
     python training/train_seq2seq.py --output_dir out/wmt --dataset_name wmt14 --dataset_config_name de-en \\
         --source_lang en --target_lang de --tokenizer_vocab_size 37000 --do_train --do_eval --max_steps 100000
     accelerate launch --config_file training/accelerate_configs/ddp.yaml training/train_seq2seq.py ...
@@ -37,7 +38,6 @@ from run_common import (
     ModelLossMixin,
     NoamArguments,
     NoamTrainerMixin,
-    PaddingFreeTrainingMixin,
     load_local_files,
     new_model_config,
     parse_script_arguments,
@@ -47,6 +47,7 @@ from run_common import (
 )
 from run_control import RunArguments, RunTrainerMixin, prepare_output_dir, train_and_evaluate
 from train_tokenizer import train_bpe_tokenizer
+from training_batches import BatchingArguments, TrainingBatchesMixin, sequence_slots, token_budget_sampler
 from transformers import (
     AutoModelForSeq2SeqLM,
     AutoTokenizer,
@@ -55,7 +56,7 @@ from transformers import (
     Seq2SeqTrainingArguments,
 )
 
-from hf_vanilla_transformer import DataCollatorForSeq2SeqWithFlattening  # also registers the Auto classes
+from hf_vanilla_transformer import preferred_layout, seq2seq_training_collator  # also registers the Auto classes
 
 logger = logging.getLogger(__name__)
 DEMO_DATASET = "num2words-en-de (built-in demo, training/demo_data.py)"
@@ -110,7 +111,7 @@ class DataArguments:
 
 
 @dataclass
-class PaperSeq2SeqTrainingArguments(RunArguments, NoamArguments, Seq2SeqTrainingArguments):
+class PaperSeq2SeqTrainingArguments(BatchingArguments, RunArguments, NoamArguments, Seq2SeqTrainingArguments):
     """Seq2SeqTrainingArguments with the paper's training and decoding recipe as defaults."""
 
     label_smoothing_factor: float = field(default=0.1, metadata={"help": "Label smoothing (paper §5.4: 0.1)."})
@@ -131,10 +132,10 @@ class PaperSeq2SeqTrainingArguments(RunArguments, NoamArguments, Seq2SeqTraining
 
 
 class PaperSeq2SeqTrainer(
-    RunTrainerMixin, NoamTrainerMixin, ModelLossMixin, PaddingFreeTrainingMixin, FsdpTrainerMixin, Seq2SeqTrainer
+    RunTrainerMixin, NoamTrainerMixin, ModelLossMixin, TrainingBatchesMixin, FsdpTrainerMixin, Seq2SeqTrainer
 ):
-    """Seq2SeqTrainer with the Noam schedule, padding-free training batches and the paper's source-relative output
-    length limit."""
+    """Seq2SeqTrainer with the Noam schedule, training batches in the device's layout (by token budget with
+    --max_tokens) and the paper's source-relative output length limit."""
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None, **gen_kwargs):
         if not gen_kwargs and getattr(self, "_gen_kwargs", None):
@@ -302,6 +303,24 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             else:
                 splits[split] = tokenize(data, split)
 
+    # Flattened batches where they are the faster layout, padded ones elsewhere and for transformers' own models
+    # (INIT_MODEL); chosen once (the collator logs the choice and why), before --max_tokens fills batches in it.
+    device, half_precision = training_args.device, training_args.bf16 or training_args.fp16
+    flattened = preferred_layout(model, device, half_precision) == "flattened"
+    if training_args.num_sequences is not None and not flattened:
+        raise ValueError(
+            "--num_sequences fixes the sequence slots of flattened batches; this model trains on padded ones on "
+            f"{device} (bf16/fp16: {half_precision}): drop it."
+        )
+    sampler = token_budget_sampler(training_args, splits["train"], flattened) if "train" in splits else None
+    train_collator = seq2seq_training_collator(
+        model,
+        tokenizer,
+        device=device,
+        half_precision=half_precision,
+        pad_to_multiple_of=training_args.pad_to_multiple_of,
+        num_sequences=sequence_slots(training_args, sampler),
+    )
     trainer = PaperSeq2SeqTrainer(
         model=model,
         args=training_args,
@@ -309,9 +328,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         eval_dataset=splits.get("validation"),
         processing_class=tokenizer,
         data_collator=DataCollatorForSeq2Seq(tokenizer, model=model, pad_to_multiple_of=8),
-        train_data_collator=(
-            DataCollatorForSeq2SeqWithFlattening(model) if getattr(model.config, "padding_free", False) else None
-        ),  # ours only: HF models (INIT_MODEL) take padded batches
+        train_data_collator=train_collator,
+        train_batch_sampler=sampler,
         compute_metrics=translation_metrics(tokenizer) if training_args.predict_with_generate else None,
     )
     metrics = train_and_evaluate(trainer, lambda: trainer.evaluate(metric_key_prefix="eval"))
@@ -331,7 +349,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         "schedule": schedule_description(training_args),
         "steps": trainer.state.global_step,
         "training minutes": round(trainer.run_tracker.elapsed_seconds() / 60, 1),
-        "batch size per device": training_args.per_device_train_batch_size,
+        "batch size per device": f"{training_args.max_tokens} tokens"
+        if training_args.max_tokens
+        else training_args.per_device_train_batch_size,
         "bf16": training_args.bf16,
         "weights": f"average of the last {metrics['averaged_checkpoints']} checkpoints"
         if metrics.get("averaged_checkpoints", 1) > 1

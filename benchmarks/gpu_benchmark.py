@@ -71,19 +71,10 @@ from hf_vanilla_transformer import (
     VanillaTransformerConfig,
     VanillaTransformerForConditionalGeneration,
     VanillaTransformerModel,
+    seq2seq_training_collator,
 )
 from hf_vanilla_transformer.moe_vanilla_transformer import SORTED_GROUPED_MM
 from hf_vanilla_transformer.packing_vanilla_transformer import varlen_kernel_runs
-
-try:
-    from hf_vanilla_transformer.collators_vanilla_transformer import seq2seq_training_collator
-except ImportError:  # delete at merge: the collators module gains seq2seq_training_collator on its own branch
-
-    def seq2seq_training_collator(
-        model, tokenizer, *, device, half_precision: bool, pad_to_multiple_of=None, num_sequences=None
-    ):
-        return DataCollatorForSeq2SeqWithFlattening(model)
-
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "training"))
 from run_common import ModelLossMixin, label_smoothed_loss  # noqa: E402  (after the sys.path entry above)
@@ -197,7 +188,7 @@ def marian_collator(marian, tokenizer: PreTrainedTokenizerFast) -> DataCollatorF
 def ours_collator(ours, tokenizer: PreTrainedTokenizerFast, settings: Settings):
     """What the training scripts give our model by default (flattened where a variable-length kernel runs). Every
     step here runs under bfloat16 autocast (the Trainer's --bf16), a CPU smoke run's too."""
-    return seq2seq_training_collator(ours, tokenizer, device=settings.device, half_precision=True, pad_to_multiple_of=8)
+    return seq2seq_training_collator(ours, tokenizer, device=settings.device, half_precision=True)
 
 
 def layout_of(batch: dict) -> str:

@@ -22,7 +22,7 @@ from .configuration_vanilla_transformer import Stack, VanillaTransformerConfig
 from .feed_forward_vanilla_transformer import build_feed_forward
 from .moe_vanilla_transformer import VanillaTransformerSparseMoeBlock
 from .norms_vanilla_transformer import SublayerConnection, deepnorm_constants, set_deepnorm_init_gains
-from .packing_vanilla_transformer import AttentionLayout, packed_attention
+from .packing_vanilla_transformer import VARLEN_IMPLEMENTATIONS, AttentionLayout, packed_attention
 
 # The longest sequence at which PyTorch's math SDPA kernel is the faster one for bfloat16/float16 training on a CPU.
 SHORT_SEQUENCE_ON_CPU = 128
@@ -117,7 +117,7 @@ class VanillaTransformerAttention(nn.Module):
         longest = max(query.shape[-2], key.shape[-2])
         if layout is not None:
             # transformers' flash integrations read the offsets themselves; every other call runs ours
-            if layout.runs_in_interface:
+            if layout.kernel in VARLEN_IMPLEMENTATIONS:
                 kwargs.update(layout.flash_kwargs())
             else:
                 attention_interface, kwargs["layout"] = packed_attention, layout

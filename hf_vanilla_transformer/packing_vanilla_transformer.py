@@ -185,11 +185,6 @@ class AttentionLayout:
         )
         return cls(queries, keys, kernel, mask)
 
-    @property
-    def runs_in_interface(self) -> bool:
-        """Whether transformers' own attention function (a flash implementation) runs the packed call."""
-        return self.kernel in VARLEN_IMPLEMENTATIONS
-
     def flash_kwargs(self) -> dict[str, Any]:
         """The keywords transformers' flash-attention integration reads for packed sequences."""
         return dict(
@@ -323,7 +318,7 @@ def to_grid(packed: torch.Tensor, sequences: Sequences) -> torch.Tensor:
     """(1, heads, tokens, head_dim) -> (sequences, heads, max_length, head_dim), read through the projection's own
     (tokens, heads, head_dim) order, so that neither the result nor its gradient needs a copy."""
     cells = packed.transpose(1, 2).index_select(1, sequences.grid.reads)
-    return cells.view(sequences.count, sequences.max_length, *packed.shape[1:2], packed.shape[3]).transpose(1, 2)
+    return cells.view(-1, sequences.max_length, packed.shape[1], packed.shape[3]).transpose(1, 2)
 
 
 def shift_packed_labels(

@@ -7,15 +7,16 @@
             shard is refused before any weight is read; tied weights gathered from shards are saved once
 """
 
-import importlib
+import shutil
 from itertools import chain
+from pathlib import Path
 
 from transformers import PreTrainedConfig
 from transformers.distributed.parallel_utils import replace_layer_number_by_wildcard
-from transformers.dynamic_module_utils import custom_object_save
+from transformers.dynamic_module_utils import get_relative_import_files
 from transformers.modeling_utils import PreTrainedModel
 
-from .auto_vanilla_transformer import HEADS, auto_map
+from .auto_vanilla_transformer import HEADS, auto_map, loaders
 from .moe_kernels_vanilla_transformer import SORTED_GROUPED_MM
 
 # The from_pretrained arguments that say where a checkpoint is, to read its config before choosing the class.
@@ -65,14 +66,14 @@ class LoadSaveShardMixin:
     def save_pretrained(self, save_directory, *args, **kwargs) -> None:
         # transformers writes the saved class's own Auto class into `auto_map` and copies its module (and the modules
         # it imports); a checkpoint here also names every head that can load it (a causal LM's loads as a GPT-style
-        # classifier), so each of their modules is copied too.
+        # classifier), so each of their modules is copied too: a sibling of this one, with the siblings it imports.
         self.config.auto_map = auto_map(self.config, type(self).__name__)
         super().save_pretrained(save_directory, *args, **kwargs)
         if self.is_remote_code():
-            for name in self.config.auto_map.values():
-                module, class_name = name.rsplit(".", 1)
-                head = getattr(importlib.import_module(f".{module}", __package__), class_name)
-                custom_object_save(head, save_directory)
+            for module in {head.module for head in loaders(self.config, type(self).__name__).values()}:
+                module_file = Path(__file__).with_name(f"{module}.py")
+                for file in (module_file, *get_relative_import_files(module_file)):
+                    shutil.copyfile(file, Path(save_directory) / Path(file).name)
 
     def init_parallel_plans(self) -> None:
         """transformers' parallelism plans, keeping the rules that name a module or parameter of this model. The

@@ -31,13 +31,8 @@ from .modeling_vanilla_transformer import (
     VanillaTransformerEncoder,
     VanillaTransformerPreTrainedModel,
 )
-from .moe_vanilla_transformer import (
-    MoeEncoderOutput,
-    RouterLosses,
-    RouterRequest,
-    with_router_gradient,
-    with_router_value,
-)
+from .moe_vanilla_transformer import MoeEncoderOutput
+from .router_losses_vanilla_transformer import RouterLosses, RouterRequest, with_router_gradient, with_router_value
 
 
 def with_item_count(kwargs: dict, labels: torch.Tensor) -> dict:

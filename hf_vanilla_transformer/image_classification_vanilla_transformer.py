@@ -25,7 +25,8 @@ from .configuration_vanilla_transformer import VanillaTransformerConfig
 from .dropout_vanilla_transformer import Dropout
 from .inputs_vanilla_transformer import check_sequence_classification_labels, labels_outside
 from .modeling_vanilla_transformer import VanillaTransformerEncoder, VanillaTransformerPreTrainedModel
-from .moe_vanilla_transformer import MoeEncoderOutput, RouterRequest, with_router_gradient, with_router_value
+from .moe_vanilla_transformer import MoeEncoderOutput
+from .router_losses_vanilla_transformer import RouterRequest, with_router_gradient, with_router_value
 
 
 def height_and_width(value: int | list[int] | tuple[int, int], name: str) -> tuple[int, int]:

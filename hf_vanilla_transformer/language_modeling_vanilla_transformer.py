@@ -37,8 +37,9 @@ from .modeling_vanilla_transformer import (
     VanillaTransformerModel,
     VanillaTransformerPreTrainedModel,
 )
-from .moe_vanilla_transformer import MoeCausalLMOutput, RouterRequest, with_router_gradient, with_router_value
+from .moe_vanilla_transformer import MoeCausalLMOutput
 from .packing_vanilla_transformer import Sequences, shift_packed_labels
+from .router_losses_vanilla_transformer import RouterRequest, with_router_gradient, with_router_value
 
 
 def first_given(*tensors: torch.Tensor | None) -> torch.Tensor | None:

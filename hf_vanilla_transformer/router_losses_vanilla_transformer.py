@@ -122,9 +122,8 @@ class RouterRequest:
 
     @classmethod
     def of(cls, config: VanillaTransformerConfig, labels, output_router_logits: bool | None) -> "RouterRequest":
+        """The request of a head on `config`, a model with experts (a dense model's heads make none)."""
         asked = config.output_router_logits if output_router_logits is None else output_router_logits
-        if config.num_experts == 0:
-            return cls(compute=False, report=False, return_logits=False)
         # Mixtral's convention: the losses are returned with a loss or when asked for, so that outputs[0] is the
         # logits whenever no loss is returned, in training as in inference.
         report = asked or labels is not None

@@ -128,12 +128,20 @@ def layout_of(config, model_class: str | None = None) -> Layout:
     return "decoder-only" if config.is_decoder else "encoder-only"
 
 
+def loaders(config, model_class: str | None = None) -> dict[str, HeadDeclaration]:
+    """The declared classes that can load a checkpoint saved by a model of class `model_class` on `config`."""
+    layout = layout_of(config, model_class)
+    return {name: head for name, head in HEADS.items() if layout in head.layouts}
+
+
 def auto_map(config, model_class: str | None = None) -> dict[str, str]:
     """`config.auto_map` of a checkpoint saved by a model of class `model_class`: every Auto class that can load it,
     not only the saved class's (which is all transformers writes), as "module.Class" for `trust_remote_code`."""
-    layout = layout_of(config, model_class)
-    loaders = {head.auto_class: f"{head.module}.{name}" for name, head in HEADS.items() if layout in head.layouts}
-    return {"AutoConfig": "configuration_vanilla_transformer.VanillaTransformerConfig", **loaders}
+    heads = loaders(config, model_class)
+    return {
+        "AutoConfig": "configuration_vanilla_transformer.VanillaTransformerConfig",
+        **{head.auto_class: f"{head.module}.{name}" for name, head in heads.items()},
+    }
 
 
-__all__ = ["HEADS", "HeadDeclaration", "auto_map", "layout_of"]
+__all__ = ["HEADS", "HeadDeclaration", "auto_map", "layout_of", "loaders"]

@@ -31,14 +31,9 @@ from .modeling_vanilla_transformer import (
     VanillaTransformerEncoder,
     VanillaTransformerPreTrainedModel,
 )
-from .moe_vanilla_transformer import (
-    MoeEncoderOutput,
-    RouterLosses,
-    RouterRequest,
-    with_router_gradient,
-    with_router_value,
-)
+from .moe_vanilla_transformer import MoeEncoderOutput
 from .packing_vanilla_transformer import check_flattened_batch
+from .router_losses_vanilla_transformer import RouterLosses, RouterRequest, with_router_gradient, with_router_value
 
 
 def with_item_count(kwargs: dict, labels: torch.Tensor) -> dict:
@@ -100,15 +95,15 @@ class SingleStackTaskHead(VanillaTransformerPreTrainedModel):
         output_router_logits: bool | None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[MoeEncoderOutput, RouterLosses | None]:
-        """The stack's outputs, and the router losses of its MoE layers (None when not computed): see
-        `RouterRequest` for when, given the `labels` (None without a loss)."""
+        """The stack's outputs, and the router losses of its MoE layers (None without experts, or when not computed:
+        see `RouterRequest` for when, given the `labels`, None without a loss)."""
         if self.outputs_per_sequence and kwargs.get("cu_seq_lens_q") is not None:
             raise ValueError(
                 f"{type(self).__name__} has one output per sequence and cannot take a flattened batch "
                 "(cu_seq_lens_q/k): pass the sequences padded, with an attention_mask."
             )
         check_flattened_batch(kwargs, input_ids if input_ids is not None else inputs_embeds)
-        router = RouterRequest.of(self.config, labels, output_router_logits)
+        router = RouterRequest.of(self.config, labels, output_router_logits) if self.config.num_experts else None
         if self.config.is_decoder:
             # One pass over the whole input, no cache to fill; positions restart at each row's first token.
             kwargs = dict(kwargs, use_cache=False, position_ids=positions_after_left_padding(attention_mask))
@@ -117,12 +112,14 @@ class SingleStackTaskHead(VanillaTransformerPreTrainedModel):
             input_ids=input_ids,
             attention_mask=attention_mask,
             inputs_embeds=inputs_embeds,
-            output_router_logits=router.compute,
+            output_router_logits=router is not None and router.compute,
             **kwargs,
         )
+        if router is None:
+            return outputs, None
         tokens = current_tokens(attention_mask, outputs.last_hidden_state.shape[1])
         stack = "decoder" if self.config.is_decoder else "encoder"
-        return outputs, router.losses(self.config, **{stack: (getattr(outputs, "router_logits", None), tokens)})
+        return outputs, router.losses(self.config, **{stack: (outputs.router_logits, tokens)})
 
 
 class ClassifierHead(SingleStackTaskHead):
@@ -157,10 +154,14 @@ class ClassifierHead(SingleStackTaskHead):
             input_ids, attention_mask, inputs_embeds, labels, output_router_logits, **kwargs
         )
         states = self.classified_states(outputs.last_hidden_state, attention_mask, input_ids)
-        logits = with_router_gradient(self.classifier(self.dropout(states)), router_losses)
-        loss = None if labels is None else self.classification_loss(logits, labels, **kwargs)
+        logits = self.classifier(self.dropout(states))
+        if router_losses is None:
+            loss = self.classification_loss(logits, labels, **kwargs)
+        else:  # the router losses join the gradient through the logits, and the loss as a value (attach_router_loss)
+            logits = with_router_gradient(logits, router_losses)
+            loss = with_router_value(self.classification_loss(logits, labels, **kwargs), router_losses)
         return self.output_class(
-            loss=with_router_value(loss, router_losses),
+            loss=loss,
             logits=logits,
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
@@ -193,7 +194,9 @@ class VanillaTransformerForSequenceClassification(ClassifierHead):
         weights = token_mask.to(hidden_states.dtype).unsqueeze(-1)
         return (hidden_states * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1.0)
 
-    def classification_loss(self, logits: torch.Tensor, labels: torch.Tensor, **kwargs) -> torch.Tensor:
+    def classification_loss(self, logits: torch.Tensor, labels: torch.Tensor | None, **kwargs) -> torch.Tensor | None:
+        if labels is None:
+            return None
         check_sequence_classification_labels(labels, logits.shape[0], self.config.num_labels, self.config.problem_type)
         kwargs = with_item_count(kwargs, labels)
         with labels_outside(self.config.num_labels):
@@ -212,7 +215,9 @@ class VanillaTransformerForTokenClassification(ClassifierHead):
         """Every token's state, (batch, length, d_model)."""
         return hidden_states
 
-    def classification_loss(self, logits: torch.Tensor, labels: torch.Tensor, **kwargs) -> torch.Tensor:
+    def classification_loss(self, logits: torch.Tensor, labels: torch.Tensor | None, **kwargs) -> torch.Tensor | None:
+        if labels is None:
+            return None
         check_labels(labels, logits.shape[:2], self.config.num_labels)
         with labels_outside(self.config.num_labels):
             return self.loss_function(logits, labels, self.config, **with_item_count(kwargs, labels))
@@ -249,13 +254,17 @@ class VanillaTransformerForQuestionAnswering(SingleStackTaskHead):
         outputs, router_losses = self.run_stack(
             input_ids, attention_mask, inputs_embeds, labels, output_router_logits, **kwargs
         )
-        logits = with_router_gradient(self.qa_outputs(outputs.last_hidden_state), router_losses)
+        logits = self.qa_outputs(outputs.last_hidden_state)
+        if router_losses is not None:  # before the split, so that a loss built from either half carries them once
+            logits = with_router_gradient(logits, router_losses)
         start_logits, end_logits = (scores.contiguous() for scores in logits.unbind(dim=-1))
         loss = None
         if labels is not None:
             loss = self.loss_function(start_logits, end_logits, start_positions, end_positions, **kwargs)
+        if router_losses is not None:
+            loss = with_router_value(loss, router_losses)
         return QuestionAnsweringModelOutput(
-            loss=with_router_value(loss, router_losses),
+            loss=loss,
             start_logits=start_logits,
             end_logits=end_logits,
             hidden_states=outputs.hidden_states,

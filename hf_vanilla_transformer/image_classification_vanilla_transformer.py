@@ -25,7 +25,8 @@ from .configuration_vanilla_transformer import VanillaTransformerConfig
 from .dropout_vanilla_transformer import Dropout
 from .inputs_vanilla_transformer import check_sequence_classification_labels, labels_outside
 from .modeling_vanilla_transformer import VanillaTransformerEncoder, VanillaTransformerPreTrainedModel
-from .moe_vanilla_transformer import MoeEncoderOutput, RouterRequest, with_router_gradient, with_router_value
+from .moe_vanilla_transformer import MoeEncoderOutput
+from .router_losses_vanilla_transformer import RouterRequest, with_router_gradient, with_router_value
 
 
 def height_and_width(value: int | list[int] | tuple[int, int], name: str) -> tuple[int, int]:
@@ -188,6 +189,12 @@ class VanillaTransformerForImageClassification(VanillaTransformerImagePreTrained
         """(batch, tokens, d_model) -> (batch, d_model): the [class] token's output, or the mean over patches."""
         return hidden_states[:, 0] if self.config.classifier_pooling == "first" else hidden_states.mean(dim=1)
 
+    def classification_loss(self, logits: torch.Tensor, labels: torch.Tensor | None, **kwargs) -> torch.Tensor | None:
+        if labels is None:
+            return None
+        with labels_outside(self.config.num_labels):
+            return self.loss_function(labels, logits, self.config, **kwargs)
+
     @can_return_tuple
     def forward(
         self,
@@ -208,17 +215,19 @@ class VanillaTransformerForImageClassification(VanillaTransformerImagePreTrained
         check_sequence_classification_labels(
             labels, pixel_values.shape[0], self.config.num_labels, self.config.problem_type
         )
-        router = RouterRequest.of(self.config, labels, output_router_logits)
-        outputs = self.model(pixel_values, output_router_logits=router.compute, return_dict=True, **kwargs)
-        router_losses = router.losses(self.config, encoder=(getattr(outputs, "router_logits", None), None))
+        router = RouterRequest.of(self.config, labels, output_router_logits) if self.config.num_experts else None
+        outputs = self.model(
+            pixel_values, output_router_logits=router is not None and router.compute, return_dict=True, **kwargs
+        )
         logits = self.classifier(self.dropout(self.pooled(outputs.last_hidden_state)))
-        logits = with_router_gradient(logits, router_losses)
-        loss = None
-        if labels is not None:
-            with labels_outside(self.config.num_labels):
-                loss = self.loss_function(labels, logits, self.config, **kwargs)
+        if router is None:
+            loss = self.classification_loss(logits, labels, **kwargs)
+        else:  # the router losses join the gradient through the logits, and the loss as a value (attach_router_loss)
+            router_losses = router.losses(self.config, encoder=(outputs.router_logits, None))
+            logits = with_router_gradient(logits, router_losses)
+            loss = with_router_value(self.classification_loss(logits, labels, **kwargs), router_losses)
         return ImageClassifierOutput(
-            loss=with_router_value(loss, router_losses),
+            loss=loss,
             logits=logits,
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,

@@ -37,8 +37,9 @@ from .modeling_vanilla_transformer import (
     VanillaTransformerModel,
     VanillaTransformerPreTrainedModel,
 )
-from .moe_vanilla_transformer import MoeCausalLMOutput, RouterRequest, with_router_gradient, with_router_value
+from .moe_vanilla_transformer import MoeCausalLMOutput
 from .packing_vanilla_transformer import check_flattened_batch, shift_packed_labels
+from .router_losses_vanilla_transformer import RouterRequest, with_router_gradient, with_router_value
 
 
 def first_given(*tensors: torch.Tensor | None) -> torch.Tensor | None:
@@ -154,7 +155,7 @@ class VanillaTransformerForConditionalGeneration(LanguageModelingHead, VanillaTr
         check_flattened_batch(kwargs, first_given(decoder_inputs, labels), first_given(input_ids, inputs_embeds))
         if labels is not None and decoder_inputs is None:
             decoder_input_ids = self.prepare_decoder_input_ids_from_labels(labels, kwargs.get("cu_seq_lens_q"))
-        router = RouterRequest.of(self.config, labels, output_router_logits)
+        router = RouterRequest.of(self.config, labels, output_router_logits) if self.config.num_experts else None
         outputs = self.model(
             input_ids,
             return_dict=True,  # the head reads fields; its own return_dict applies to its output
@@ -166,7 +167,7 @@ class VanillaTransformerForConditionalGeneration(LanguageModelingHead, VanillaTr
             inputs_embeds=inputs_embeds,
             decoder_inputs_embeds=decoder_inputs_embeds,
             use_cache=without_cache_in_training(use_cache, labels, self.training),
-            output_router_logits=router.compute,
+            output_router_logits=router is not None and router.compute,
             **kwargs,
         )
         logits = self.lm_head(slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep))
@@ -179,28 +180,24 @@ class VanillaTransformerForConditionalGeneration(LanguageModelingHead, VanillaTr
             encoder_hidden_states=outputs.encoder_hidden_states,
             encoder_attentions=outputs.encoder_attentions,
         )
-        if self.config.num_experts == 0:
+        if router is None:
             loss = self.token_loss(logits, labels, **kwargs)
             return Seq2SeqLMOutput(loss=loss, logits=None if skip_logits else logits, **model_outputs)
 
         # Mixture of Experts: the router losses of both stacks, counted over their tokens, join the gradient through
         # the logits, so that a loss built from them alone (the Trainer's label smoothing) trains the routers too.
+        source_tokens = current_tokens(attention_mask, outputs.encoder_last_hidden_state.shape[1])
+        target_tokens = current_tokens(decoder_attention_mask, outputs.last_hidden_state.shape[1])
         router_losses = router.losses(
             self.config,
-            encoder=(
-                outputs.encoder_router_logits,
-                current_tokens(attention_mask, outputs.encoder_last_hidden_state.shape[1]),
-            ),
-            decoder=(
-                outputs.decoder_router_logits,
-                current_tokens(decoder_attention_mask, outputs.last_hidden_state.shape[1]),
-            ),
+            encoder=(outputs.encoder_router_logits, source_tokens),
+            decoder=(outputs.decoder_router_logits, target_tokens),
         )
         logits = with_router_gradient(logits, router_losses)
-        loss = self.token_loss(logits, labels, **kwargs)
+        loss = with_router_value(self.token_loss(logits, labels, **kwargs), router_losses)
         aux, z = (router_losses.aux, router_losses.z) if router.report else ({}, {})
         return Seq2SeqMoEOutput(
-            loss=with_router_value(loss, router_losses),
+            loss=loss,
             logits=None if skip_logits else logits,
             encoder_router_logits=router.returned(outputs.encoder_router_logits),
             decoder_router_logits=router.returned(outputs.decoder_router_logits),
@@ -265,7 +262,7 @@ class VanillaTransformerForCausalLM(LanguageModelingHead, VanillaTransformerGene
         check_flattened_batch(kwargs, first_given(input_ids, inputs_embeds))
         targets = self.next_token_targets(labels, kwargs.get("shift_labels"))
         check_skip_logits(skip_logits, targets)
-        router = RouterRequest.of(self.config, targets, output_router_logits)
+        router = RouterRequest.of(self.config, targets, output_router_logits) if self.config.num_experts else None
         outputs = self.model(
             return_dict=True,  # the head reads fields; its own return_dict applies to its output
             input_ids=input_ids,
@@ -274,14 +271,14 @@ class VanillaTransformerForCausalLM(LanguageModelingHead, VanillaTransformerGene
             past_key_values=past_key_values,
             inputs_embeds=inputs_embeds,
             use_cache=without_cache_in_training(use_cache, targets, self.training),
-            output_router_logits=router.compute,
+            output_router_logits=router is not None and router.compute,
             **kwargs,
         )
         logits = self.lm_head(slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep))
         model_outputs = dict(
             past_key_values=outputs.past_key_values, hidden_states=outputs.hidden_states, attentions=outputs.attentions
         )
-        if self.config.num_experts == 0:
+        if router is None:
             loss = self.token_loss(logits, targets, **kwargs)
             return CausalLMOutputWithPast(loss=loss, logits=None if skip_logits else logits, **model_outputs)
 
@@ -289,9 +286,9 @@ class VanillaTransformerForCausalLM(LanguageModelingHead, VanillaTransformerGene
         tokens = current_tokens(attention_mask, outputs.last_hidden_state.shape[1])
         router_losses = router.losses(self.config, decoder=(outputs.router_logits, tokens))
         logits = with_router_gradient(logits, router_losses)
-        loss = self.token_loss(logits, targets, **kwargs)
+        loss = with_router_value(self.token_loss(logits, targets, **kwargs), router_losses)
         return MoeCausalLMOutput(
-            loss=with_router_value(loss, router_losses),
+            loss=loss,
             logits=None if skip_logits else logits,
             router_logits=router.returned(outputs.router_logits),
             aux_loss=router_losses.aux["decoder"] if router.report else None,
@@ -342,23 +339,23 @@ class VanillaTransformerForMaskedLM(LanguageModelingHead):
         check_token_labels(labels, self.config.vocab_size, first_given(input_ids, inputs_embeds), "input_ids")
         check_flattened_batch(kwargs, first_given(input_ids, inputs_embeds))
         check_skip_logits(skip_logits, labels)
-        router = RouterRequest.of(self.config, labels, output_router_logits)
+        router = RouterRequest.of(self.config, labels, output_router_logits) if self.config.num_experts else None
         outputs = self.model(
             return_dict=True,  # the head reads fields; its own return_dict applies to its output
             input_ids=input_ids,
             attention_mask=attention_mask,
             inputs_embeds=inputs_embeds,
-            output_router_logits=router.compute,
+            output_router_logits=router is not None and router.compute,
             **kwargs,
         )
         logits = self.lm_head(slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep))
-        if self.config.num_experts:  # the router losses join the gradient (see the seq2seq head); not reported here
+        if router is None:
+            loss = self.token_loss(logits, labels, **kwargs)
+        else:  # the router losses join the gradient (see the seq2seq head); not reported apart
             tokens = current_tokens(attention_mask, outputs.last_hidden_state.shape[1])
             router_losses = router.losses(self.config, encoder=(outputs.router_logits, tokens))
             logits = with_router_gradient(logits, router_losses)
-        loss = self.token_loss(logits, labels, **kwargs)
-        if self.config.num_experts:
-            loss = with_router_value(loss, router_losses)
+            loss = with_router_value(self.token_loss(logits, labels, **kwargs), router_losses)
         return MaskedLMOutput(
             loss=loss,
             logits=None if skip_logits else logits,

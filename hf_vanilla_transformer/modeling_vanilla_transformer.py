@@ -8,17 +8,11 @@ which case no mask is built and attention runs per sequence. Nothing here reads 
 step runs without waiting for the device.
 """
 
-import importlib
-from itertools import chain
-
 import torch
 from torch import nn
-from transformers import PreTrainedConfig
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
-from transformers.distributed.parallel_utils import replace_layer_number_by_wildcard
 from transformers.distributed.pipeline_parallel import PipelineIdentityLayer
-from transformers.dynamic_module_utils import custom_object_save
 from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
 from transformers.modeling_outputs import (
     BaseModelOutput,
@@ -32,7 +26,6 @@ from transformers.utils import TransformersKwargs, can_return_tuple
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
-from .auto_vanilla_transformer import HEADS, auto_map
 from .configuration_vanilla_transformer import VanillaTransformerConfig
 from .dropout_vanilla_transformer import Dropout
 from .inputs_vanilla_transformer import (
@@ -49,7 +42,6 @@ from .layers_vanilla_transformer import (
     VanillaTransformerEncoderLayer,
 )
 from .moe_vanilla_transformer import (
-    SORTED_GROUPED_MM,
     MoeDecoderOutput,
     MoeEncoderOutput,
     VanillaTransformerExperts,
@@ -59,9 +51,7 @@ from .moe_vanilla_transformer import (
 from .norms_vanilla_transformer import build_norm, has_final_norm
 from .packing_vanilla_transformer import AttentionLayout, Sequences, layout_kernel
 from .positions_vanilla_transformer import POSITION_EMBEDDINGS, SinusoidalPositionalEmbedding
-
-# The from_pretrained arguments that say where a checkpoint is, to read its config before choosing the class.
-HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder", "trust_remote_code")
+from .pretrained_vanilla_transformer import LoadSaveShardMixin
 
 
 class ScaledWordEmbedding(nn.Embedding):
@@ -75,7 +65,7 @@ class ScaledWordEmbedding(nn.Embedding):
         return super().forward(input_ids) * self.embed_scale
 
 
-class VanillaTransformerPreTrainedModel(PreTrainedModel):
+class VanillaTransformerPreTrainedModel(LoadSaveShardMixin, PreTrainedModel):
     config: VanillaTransformerConfig
     config_class = VanillaTransformerConfig
     base_model_prefix = "model"
@@ -90,31 +80,6 @@ class VanillaTransformerPreTrainedModel(PreTrainedModel):
     # Each `forward` is annotated with its dense output class: transformers reads the annotation to tell whether a
     # class returns router logits, and one class serves dense and MoE configs. With experts the forward returns the
     # MoE output class named beside the annotation.
-
-    @classmethod
-    def checkpoint_config(cls, pretrained_model_name_or_path, config, kwargs: dict) -> PreTrainedConfig:
-        """The config `from_pretrained` will use: the one given, else the checkpoint's, read before any weight."""
-        if isinstance(config, PreTrainedConfig):
-            return config
-        hub_kwargs = {key: kwargs[key] for key in HUB_KWARGS if key in kwargs}
-        return cls.config_class.from_pretrained(pretrained_model_name_or_path, **hub_kwargs)
-
-    @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, config=None, **kwargs):
-        declared = HEADS.get(cls.__name__)
-        if (
-            declared is not None
-            and "encoder-decoder" not in declared.layouts
-            and cls.checkpoint_config(pretrained_model_name_or_path, config, kwargs).is_encoder_decoder
-        ):
-            # Its weights sit under model.encoder / model.decoder, which a single-stack head's `model` does not have:
-            # every layer would be newly initialised, silently but for a warning.
-            raise ValueError(
-                f"{pretrained_model_name_or_path} is an encoder-decoder checkpoint (is_encoder_decoder=True): "
-                f"{cls.__name__} runs one stack and cannot load it. Load it with AutoModelForSeq2SeqLM "
-                "(VanillaTransformerForConditionalGeneration)."
-            )
-        return super().from_pretrained(pretrained_model_name_or_path, *model_args, config=config, **kwargs)
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
@@ -143,89 +108,6 @@ class VanillaTransformerPreTrainedModel(PreTrainedModel):
             init.ones_(module.weight)
             if getattr(module, "bias", None) is not None:
                 init.zeros_(module.bias)
-
-    def mark_tied_weights_as_initialized(self, loading_info) -> None:
-        # transformers marks every tied parameter as loaded before tying it to its source; a tied name that is the
-        # source's own parameter (the stacks hold the `shared` embedding module itself) would mark the source too, and
-        # a source missing from the checkpoint would then be neither loaded nor initialised: left on the meta device.
-        missing_aliased_sources = {
-            source
-            for target, source in self.all_tied_weights_keys.items()
-            if source in loading_info.missing_keys and self.get_parameter(target) is self.get_parameter(source)
-        }
-        super().mark_tied_weights_as_initialized(loading_info)
-        loading_info.missing_keys |= missing_aliased_sources
-
-    def save_pretrained(self, save_directory, *args, **kwargs) -> None:
-        # transformers writes the saved class's own Auto class into `auto_map` and copies its module (and the modules
-        # it imports); a checkpoint here also names every head that can load it (a causal LM's loads as a GPT-style
-        # classifier), so each of their modules is copied too.
-        self.config.auto_map = auto_map(self.config, type(self).__name__)
-        super().save_pretrained(save_directory, *args, **kwargs)
-        if self.is_remote_code():
-            for name in self.config.auto_map.values():
-                module, class_name = name.rsplit(".", 1)
-                head = getattr(importlib.import_module(f".{module}", __package__), class_name)
-                custom_object_save(head, save_directory)
-
-    def init_parallel_plans(self) -> None:
-        """transformers' parallelism plans, keeping the rules that name a module or parameter of this model. The
-        config's plans name the modules of every variant (dense or gated FFN, experts with or without biases,
-        cross-attention) of one stack, which an encoder-decoder holds twice under other names (`encoder.layers.*`):
-        every other rule would match nothing and be reported as such at load time."""
-        super().init_parallel_plans()
-        names = chain(self.named_modules(), self.named_parameters())
-        names = {replace_layer_number_by_wildcard(name) for name, _ in names}
-        for plan in ("_tp_plan", "_ep_plan", "_pp_plan"):
-            setattr(self, plan, {rule: value for rule, value in getattr(self, plan).items() if rule in names})
-
-    def gather_sharded_state_dict_for_save(self, model_to_save, state_dict, distributed_config, **kwargs) -> dict:
-        # transformers gathers each key of a sharded model on its own, so tied weights come back as copies, which
-        # save_pretrained would all write (the shared embedding four times); gathered once, they are saved once.
-        gathered = super().gather_sharded_state_dict_for_save(model_to_save, state_dict, distributed_config, **kwargs)
-        for target, source in model_to_save.all_tied_weights_keys.items():
-            if target in gathered and source in gathered:
-                gathered[target] = gathered[source]
-        return gathered
-
-    @classmethod
-    def maybe_distribute_model(cls, model, distributed_config, mesh_manager):
-        if distributed_config is not None:
-            check_parallelism(model, distributed_config)
-        return super().maybe_distribute_model(model, distributed_config, mesh_manager)
-
-    @classmethod
-    def _can_set_experts_implementation(cls) -> bool:
-        # transformers greps the module of `cls` for "@use_experts_implementation"; the experts class lives with the
-        # router and the block in moe_vanilla_transformer.py, beside neither the models nor the heads.
-        return True
-
-    def get_correct_experts_implementation(self, requested_experts: str | None) -> str:
-        # Asked for none, transformers picks its "grouped_mm"; ours makes the same grouped matmuls with fewer passes
-        # over the rows around them, and takes the expert sizes torch's grouped_mm kernel refuses.
-        return super().get_correct_experts_implementation(requested_experts or SORTED_GROUPED_MM)
-
-
-def check_parallelism(model: VanillaTransformerPreTrainedModel, distributed_config) -> None:
-    """Refuse, before any weight is read, what transformers' distributed engine cannot shard (transformers 5.23).
-    Tensor parallelism gives each rank whole attention heads and whole K/V head groups. The pipeline engine splits
-    `model.layers` of a decoder-only language model into consecutive slices, one per rank, and returns logits only."""
-    config, tp_size = model.config, distributed_config.tp_size
-    for stack in config.stacks if tp_size > 1 else ():
-        heads = getattr(config, f"{stack}_attention_heads")
-        counts = {f"{stack}_attention_heads": heads, "num_key_value_heads": config.key_value_heads(heads)}
-        for name, count in counts.items():
-            if count % tp_size:
-                raise ValueError(
-                    f"tp_size={tp_size} does not divide {name}={count}: tensor parallelism gives each rank whole "
-                    "attention heads (and whole groups of query heads sharing a key/value head)."
-                )
-    if distributed_config.pp_size > 1 and not type(model)._pp_plan:
-        raise ValueError(
-            f"pp_size > 1 (pipeline parallelism) is not supported for {type(model).__name__}: transformers' pipeline "
-            "engine runs decoder-only language models (VanillaTransformerForCausalLM), not an encoder, an "
-            "encoder-decoder or a classifier. Tensor and expert parallelism (tp_size, ep_size) shard every head."
-        )
 
 
 class VanillaTransformerStack(VanillaTransformerPreTrainedModel):

@@ -36,11 +36,10 @@ from hf_vanilla_transformer.moe_vanilla_transformer import (
     VanillaTransformerSparseMoeBlock,
     dropped_token_counts,
     expert_capacity,
-    load_balancing_loss,
-    router_z_loss,
     sorted_grouped_mm_experts_forward,
     within_capacity,
 )
+from hf_vanilla_transformer.router_losses_vanilla_transformer import load_balancing_loss, router_z_loss
 from hf_vanilla_transformer.norms_vanilla_transformer import SublayerConnection
 
 

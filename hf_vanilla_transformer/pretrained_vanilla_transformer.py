@@ -1,0 +1,138 @@
+"""How the models load, save and shard: the `PreTrainedModel` methods they override, apart from the model code.
+
+    load    an encoder-decoder checkpoint is refused by the heads on one stack; a tied source missing from the
+            checkpoint stays missing (and is initialised); experts run "sorted_grouped_mm" unless asked otherwise
+    save    `auto_map` names every head that can load the checkpoint, and the code of each is copied beside it
+    shard   the parallelism plans keep the rules that name a module of the model; what transformers' engine cannot
+            shard is refused before any weight is read; tied weights gathered from shards are saved once
+"""
+
+import shutil
+from itertools import chain
+from pathlib import Path
+
+from transformers import PreTrainedConfig
+from transformers.distributed.parallel_utils import replace_layer_number_by_wildcard
+from transformers.dynamic_module_utils import get_relative_import_files
+from transformers.modeling_utils import PreTrainedModel
+
+from .auto_vanilla_transformer import HEADS, auto_map, loaders
+from .moe_kernels_vanilla_transformer import SORTED_GROUPED_MM
+
+# The from_pretrained arguments that say where a checkpoint is, to read its config before choosing the class.
+HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder", "trust_remote_code")
+
+
+class LoadSaveShardMixin:
+    """Put before `PreTrainedModel` in a model's bases: each method adjusts transformers' own and calls it."""
+
+    @classmethod
+    def checkpoint_config(cls, pretrained_model_name_or_path, config, kwargs: dict) -> PreTrainedConfig:
+        """The config `from_pretrained` will use: the one given, else the checkpoint's, read before any weight."""
+        if isinstance(config, PreTrainedConfig):
+            return config
+        hub_kwargs = {key: kwargs[key] for key in HUB_KWARGS if key in kwargs}
+        return cls.config_class.from_pretrained(pretrained_model_name_or_path, **hub_kwargs)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, config=None, **kwargs):
+        declared = HEADS.get(cls.__name__)
+        if (
+            declared is not None
+            and "encoder-decoder" not in declared.layouts
+            and cls.checkpoint_config(pretrained_model_name_or_path, config, kwargs).is_encoder_decoder
+        ):
+            # Its weights sit under model.encoder / model.decoder, which a single-stack head's `model` does not have:
+            # every layer would be newly initialised, silently but for a warning.
+            raise ValueError(
+                f"{pretrained_model_name_or_path} is an encoder-decoder checkpoint (is_encoder_decoder=True): "
+                f"{cls.__name__} runs one stack and cannot load it. Load it with AutoModelForSeq2SeqLM "
+                "(VanillaTransformerForConditionalGeneration)."
+            )
+        return super().from_pretrained(pretrained_model_name_or_path, *model_args, config=config, **kwargs)
+
+    def mark_tied_weights_as_initialized(self, loading_info) -> None:
+        # transformers marks every tied parameter as loaded before tying it to its source; a tied name that is the
+        # source's own parameter (the stacks hold the `shared` embedding module itself) would mark the source too, and
+        # a source missing from the checkpoint would then be neither loaded nor initialised: left on the meta device.
+        missing_aliased_sources = {
+            source
+            for target, source in self.all_tied_weights_keys.items()
+            if source in loading_info.missing_keys and self.get_parameter(target) is self.get_parameter(source)
+        }
+        super().mark_tied_weights_as_initialized(loading_info)
+        loading_info.missing_keys |= missing_aliased_sources
+
+    def save_pretrained(self, save_directory, *args, **kwargs) -> None:
+        # transformers writes the saved class's own Auto class into `auto_map` and copies its module (and the modules
+        # it imports); a checkpoint here also names every head that can load it (a causal LM's loads as a GPT-style
+        # classifier), so each of their modules is copied too: a sibling of this one, with the siblings it imports.
+        self.config.auto_map = auto_map(self.config, type(self).__name__)
+        super().save_pretrained(save_directory, *args, **kwargs)
+        if self.is_remote_code():
+            for module in {head.module for head in loaders(self.config, type(self).__name__).values()}:
+                module_file = Path(__file__).with_name(f"{module}.py")
+                for file in (module_file, *get_relative_import_files(module_file)):
+                    shutil.copyfile(file, Path(save_directory) / Path(file).name)
+
+    def init_parallel_plans(self) -> None:
+        """transformers' parallelism plans, keeping the rules that name a module or parameter of this model. The
+        config's plans name the modules of every variant (dense or gated FFN, experts with or without biases,
+        cross-attention) of one stack, which an encoder-decoder holds twice under other names (`encoder.layers.*`):
+        every other rule would match nothing and be reported as such at load time."""
+        super().init_parallel_plans()
+        names = chain(self.named_modules(), self.named_parameters())
+        names = {replace_layer_number_by_wildcard(name) for name, _ in names}
+        for plan in ("_tp_plan", "_ep_plan", "_pp_plan"):
+            setattr(self, plan, {rule: value for rule, value in getattr(self, plan).items() if rule in names})
+
+    def gather_sharded_state_dict_for_save(self, model_to_save, state_dict, distributed_config, **kwargs) -> dict:
+        # transformers gathers each key of a sharded model on its own, so tied weights come back as copies, which
+        # save_pretrained would all write (the shared embedding four times); gathered once, they are saved once.
+        gathered = super().gather_sharded_state_dict_for_save(model_to_save, state_dict, distributed_config, **kwargs)
+        for target, source in model_to_save.all_tied_weights_keys.items():
+            if target in gathered and source in gathered:
+                gathered[target] = gathered[source]
+        return gathered
+
+    @classmethod
+    def maybe_distribute_model(cls, model, distributed_config, mesh_manager):
+        if distributed_config is not None:
+            check_parallelism(model, distributed_config)
+        return super().maybe_distribute_model(model, distributed_config, mesh_manager)
+
+    @classmethod
+    def _can_set_experts_implementation(cls) -> bool:
+        # transformers greps the module of `cls` for "@use_experts_implementation"; the experts class lives with the
+        # router and the block in moe_vanilla_transformer.py, beside neither the models nor the heads.
+        return True
+
+    def get_correct_experts_implementation(self, requested_experts: str | None) -> str:
+        # Asked for none, transformers picks its "grouped_mm"; ours makes the same grouped matmuls with fewer passes
+        # over the rows around them, and takes the expert sizes torch's grouped_mm kernel refuses.
+        return super().get_correct_experts_implementation(requested_experts or SORTED_GROUPED_MM)
+
+
+def check_parallelism(model: PreTrainedModel, distributed_config) -> None:
+    """Refuse, before any weight is read, what transformers' distributed engine cannot shard (transformers 5.23).
+    Tensor parallelism gives each rank whole attention heads and whole K/V head groups. The pipeline engine splits
+    `model.layers` of a decoder-only language model into consecutive slices, one per rank, and returns logits only."""
+    config, tp_size = model.config, distributed_config.tp_size
+    for stack in config.stacks if tp_size > 1 else ():
+        heads = getattr(config, f"{stack}_attention_heads")
+        counts = {f"{stack}_attention_heads": heads, "num_key_value_heads": config.key_value_heads(heads)}
+        for name, count in counts.items():
+            if count % tp_size:
+                raise ValueError(
+                    f"tp_size={tp_size} does not divide {name}={count}: tensor parallelism gives each rank whole "
+                    "attention heads (and whole groups of query heads sharing a key/value head)."
+                )
+    if distributed_config.pp_size > 1 and not type(model)._pp_plan:
+        raise ValueError(
+            f"pp_size > 1 (pipeline parallelism) is not supported for {type(model).__name__}: transformers' pipeline "
+            "engine runs decoder-only language models (VanillaTransformerForCausalLM), not an encoder, an "
+            "encoder-decoder or a classifier. Tensor and expert parallelism (tp_size, ep_size) shard every head."
+        )
+
+
+__all__ = ["LoadSaveShardMixin", "check_parallelism"]

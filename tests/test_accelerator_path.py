@@ -463,6 +463,8 @@ def training_step_op_names(model: torch.nn.Module, inputs: dict) -> collections.
 
 
 class OpNames(TorchDispatchMode):
+    """The aten ops dispatched while active, by name."""
+
     def __init__(self) -> None:
         super().__init__()
         self.names: collections.Counter[str] = collections.Counter()

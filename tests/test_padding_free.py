@@ -13,8 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import tiny_config
-from test_accelerator_path import SyncCounter
-from torch.utils._python_dispatch import TorchDispatchMode
+from test_accelerator_path import OpNames, SyncCounter
 from transformers import DataCollatorWithFlattening
 
 from hf_vanilla_transformer import (
@@ -460,18 +459,6 @@ def test_a_flattened_batch_has_one_row():
     batch["input_ids"] = batch["input_ids"].expand(2, -1)
     with pytest.raises(ValueError, match="one row, got batch size 2"):
         model(**batch)
-
-
-class OpNames(TorchDispatchMode):
-    """The aten ops dispatched while active, by name."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.names: collections.Counter[str] = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def test_the_fallback_builds_its_indices_once_per_stack():

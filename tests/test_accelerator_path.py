@@ -46,6 +46,7 @@ from hf_vanilla_transformer import (
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from aten_op_counts import kernel_ops, op_count_case, varlen_kernel_stand_in  # noqa: E402
 from marian_twin import marian_config  # noqa: E402  (HF Marian with our dimensions, as the speed benchmarks build it)
 
 aten = torch.ops.aten
@@ -336,101 +337,13 @@ def test_seq2seq_training_step_dispatches_no_more_ops_than_marian() -> None:
     )
 
 
-# Views launch no kernel on an accelerator: they are left out where launches are compared.
-VIEW_OPS = {"view", "_unsafe_view", "transpose", "t", "unsqueeze", "squeeze", "expand", "slice", "select", "detach",
-            "alias", "permute", "as_strided", "lift_fresh"}  # fmt: skip
-
-
-def per_sequence_attention(query, key, value, cu_seq_q, cu_seq_k, scale: float, causal: bool) -> torch.Tensor:
-    """Attention one sequence at a time on (tokens, heads, head_dim) layouts, SDPA on each slice."""
-    q_offsets, k_offsets = cu_seq_q.tolist(), cu_seq_k.tolist()
-    outputs = []
-    for start, end, key_start, key_end in zip(q_offsets, q_offsets[1:], k_offsets, k_offsets[1:]):
-        q, k, v = (
-            x[a:b].transpose(0, 1)
-            for x, a, b in ((query, start, end), (key, key_start, key_end), (value, key_start, key_end))
-        )
-        outputs.append(
-            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale).transpose(0, 1)
-        )
-    return torch.cat(outputs)
-
-
-@torch.library.custom_op("vanilla_transformer_tests::varlen_attn", mutates_args=())
-def varlen_kernel_stand_in(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seq_q: torch.Tensor, cu_seq_k: torch.Tensor,
-    scale: float, causal: bool,
-) -> torch.Tensor:  # fmt: skip
-    """One op, as a GPU's variable-length kernel is one launch (its inside is not dispatched to the counting mode)."""
-    return per_sequence_attention(query, key, value, cu_seq_q, cu_seq_k, scale, causal)
-
-
-@torch.library.custom_op("vanilla_transformer_tests::varlen_attn_backward", mutates_args=())
-def varlen_kernel_stand_in_backward(
-    grad: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seq_q: torch.Tensor,
-    cu_seq_k: torch.Tensor, scale: float, causal: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """Softmax attention's gradient in closed form, one sequence at a time (autograd does not run inside an op)."""
-    grads = [torch.zeros_like(tensor) for tensor in (query, key, value)]
-    q_offsets, k_offsets = cu_seq_q.tolist(), cu_seq_k.tolist()
-    for start, end, key_start, key_end in zip(q_offsets, q_offsets[1:], k_offsets, k_offsets[1:]):
-        q, k, v = (x.transpose(0, 1) for x in (query[start:end], key[key_start:key_end], value[key_start:key_end]))
-        scores = q @ k.transpose(1, 2) * scale
-        if causal:
-            scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
-        weights = scores.softmax(-1)
-        grad_output = grad[start:end].transpose(0, 1)
-        grad_weights = grad_output @ v.transpose(1, 2)
-        grad_scores = weights * (grad_weights - (grad_weights * weights).sum(-1, keepdim=True))
-        grads[0][start:end] = (grad_scores @ k * scale).transpose(0, 1)
-        grads[1][key_start:key_end] = (grad_scores.transpose(1, 2) @ q * scale).transpose(0, 1)
-        grads[2][key_start:key_end] = (weights.transpose(1, 2) @ grad_output).transpose(0, 1)
-    return tuple(grads)
-
-
-def save_inputs(ctx, inputs, output) -> None:
-    ctx.save_for_backward(*inputs[:5])
-    ctx.scale, ctx.causal = inputs[5:]
-
-
-def kernel_backward(ctx, grad):
-    return *varlen_kernel_stand_in_backward(grad, *ctx.saved_tensors, ctx.scale, ctx.causal), None, None, None, None
-
-
-varlen_kernel_stand_in.register_autograd(kernel_backward, setup_context=save_inputs)
-
-
-def varlen_attn_stand_in(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale, window_size, enable_gqa):
-    """torch's `varlen_attn` (torch >= 2.12 signature), one op forward and one backward."""
-    return varlen_kernel_stand_in(query, key, value, cu_seq_q, cu_seq_k, scale, window_size == (-1, 0))
-
-
 def test_flattened_step_where_the_varlen_kernel_runs_launches_no_more_kernels_than_marian() -> None:
     """The layout a GPU trains on by default (flattened, with torch's variable-length kernel: here a stand-in that is
     one op each way) dispatches no more aten ops that launch a kernel (views left out) than HF Marian's padded step
-    on the same sentences: 8 pairs of 4-24 tokens, 2+2 layers, d_model 64, dropout 0.1. The offsets' value checks
-    are counted: they run on the device too."""
-    from hf_vanilla_transformer import DataCollatorForSeq2SeqWithFlattening
-    from hf_vanilla_transformer import packing_vanilla_transformer as packing
-
-    torch.manual_seed(0)
-    config = tiny_config(dropout=0.1, sinusoidal_layout="concatenated", vocab_size=100)
-    ours, marian = VanillaTransformerForConditionalGeneration(config), MarianMTModel(marian_config(config))
-    generator = torch.Generator().manual_seed(1)
-
-    def sentence() -> list[int]:
-        return torch.randint(
-            3, 100, (int(torch.randint(4, 25, (1,), generator=generator)),), generator=generator
-        ).tolist()
-
-    features = [{"input_ids": sentence(), "labels": sentence()} for _ in range(8)]
-    flattened = DataCollatorForSeq2SeqWithFlattening(ours)(features)
-    padded_sources = torch.nn.utils.rnn.pad_sequence([torch.tensor(f["input_ids"]) for f in features], batch_first=True)
-    labels = torch.nn.utils.rnn.pad_sequence([torch.tensor(f["labels"]) for f in features], True, IGNORE_INDEX)
-    padded = {"input_ids": padded_sources, "attention_mask": (padded_sources != 0).long(), "labels": labels}
-
-    def kernels(model, batch) -> int:
-        return sum(n for name, n in training_step_op_names(model, batch).items() if name not in VIEW_OPS)
+    on the same sentences: 8 pairs of 4-24 tokens, 2+2 layers, d_model 64, dropout 0.1 (benchmarks/aten_op_counts.py
+    prints every count). The offsets' value checks are counted: they run on the device too. And the kernel's branch
+    computes the fallback's loss and gradients."""
+    ours, marian, flattened, padded = op_count_case()
 
     def step(batch) -> list[torch.Tensor]:  # the loss and the gradients, dropout drawn from one seed
         ours.zero_grad()
@@ -441,37 +354,12 @@ def test_flattened_step_where_the_varlen_kernel_runs_launches_no_more_kernels_th
 
     with mock.patch.object(dropout_module, "cpu_samples_dropout_per_element", lambda: False):
         fallback = step(flattened)
-        with (
-            mock.patch.object(packing, "varlen_kernel", lambda device, dtype, dropout=0.0: "torch"),
-            mock.patch.object(packing, "VARLEN_SIGNATURE", "scale"),
-            mock.patch.object(packing, "varlen_attn", varlen_attn_stand_in),
-        ):
-            ours_kernels, marian_kernels = kernels(ours, flattened), kernels(marian, padded)
+        with varlen_kernel_stand_in():
+            ours_kernels, marian_kernels = kernel_ops(ours, flattened), kernel_ops(marian, padded)
             kernel = step(flattened)
     assert ours_kernels <= marian_kernels, f"ours flattened: {ours_kernels} kernel ops, Marian padded: {marian_kernels}"
-    for computed, expected in zip(kernel, fallback):  # the kernel's branch computes the fallback's step
+    for computed, expected in zip(kernel, fallback):
         torch.testing.assert_close(computed, expected, rtol=1e-4, atol=1e-6)
-
-
-def training_step_op_names(model: torch.nn.Module, inputs: dict) -> collections.Counter[str]:
-    model.train()
-    model(**inputs).loss.backward()
-    counter = OpNames()
-    with counter:
-        model(**inputs).loss.backward()
-    return counter.names
-
-
-class OpNames(TorchDispatchMode):
-    """The aten ops dispatched while active, by name."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.names: collections.Counter[str] = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize("head", ["seq2seq", "causal_lm"])

@@ -7,13 +7,15 @@ The references are independent of the packed path: the same sentences padded as 
 
 import collections
 import copy
+import sys
+from pathlib import Path
 from unittest import mock
 
 import pytest
 import torch
 import torch.nn.functional as F
 from conftest import tiny_config
-from test_accelerator_path import OpNames, SyncCounter
+from test_accelerator_path import SyncCounter
 from transformers import DataCollatorWithFlattening
 
 from hf_vanilla_transformer import (
@@ -27,6 +29,9 @@ from hf_vanilla_transformer import (
 )
 from hf_vanilla_transformer import packing_vanilla_transformer as packing
 from hf_vanilla_transformer.packing_vanilla_transformer import Sequences, packed_attention
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from aten_op_counts import OpNames  # noqa: E402  (the benchmark's op counter)
 
 VARIANTS = {
     "paper": {},

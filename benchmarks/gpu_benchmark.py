@@ -239,6 +239,28 @@ def check_losses(ours, marian, ours_batch: dict, marian_batch: dict, settings: S
     return check
 
 
+def gradient_difference(model, batch: dict, reference: dict, settings: Settings) -> float:
+    """How far the gradients of `batch` lie from those of `reference` (the same sentences in another layout), dropout
+    off, under the timed steps' autocast: the largest difference over the largest reference gradient. On a GPU this
+    checks the variable-length kernel's backward against the padded computation's."""
+
+    def gradients(inputs: dict) -> list[torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        with torch.autocast(settings.device.type, dtype=settings.autocast_dtype):
+            model(**inputs).loss.backward()
+        return [parameter.grad.float() for parameter in model.parameters() if parameter.grad is not None]
+
+    model.eval()
+    computed, expected = gradients(batch), gradients(reference)
+    model.zero_grad(set_to_none=True)
+    model.train()
+    difference = max((a - b).abs().max().item() for a, b in zip(computed, expected))
+    scale = max(b.abs().max().item() for b in expected)
+    if not math.isfinite(difference):
+        raise RuntimeError(f"Gradients of the flattened batch are not finite: {difference}")
+    return difference / scale
+
+
 def training_step(forward: Callable, batch: dict, optimizer: torch.optim.Optimizer, settings: Settings, **kwargs):
     """One step as the Trainer takes it with --bf16: forward under autocast, backward, fused AdamW."""
 
@@ -403,6 +425,7 @@ def training_step_section(settings: Settings, peak_flops: float) -> dict:
     flattened, flattened_seconds = collate_timed(DataCollatorForSeq2SeqWithFlattening(ours), features, settings.repeats)
     padded, flattened = to_device(padded, settings.device), to_device(flattened, settings.device)
     check = check_losses(ours, marian, flattened, padded, settings)
+    check["ours_gradient_relative_difference"] = gradient_difference(ours, flattened, padded, settings)
     optimizers = {model: fused_adamw(model) for model in (ours, marian)}
 
     def candidate(model, batch: dict, **kwargs) -> Candidate:

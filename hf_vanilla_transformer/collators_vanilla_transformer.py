@@ -41,7 +41,14 @@ class DataCollatorForSeq2SeqWithFlattening:
     - `num_sequences`: the number of sequence slots, the length of `cu_seq_lens_q/k` minus 1; the slots a batch does
       not use are empty sequences (repeated offsets). A batch needs one slot per pair, plus one for the padding.
 
-    Either one returns every batch in the flattened layout. The sequences of source and target always pair up one
+    Packed rows, so that attention needs no variable-length kernel (`row_length`): the pairs are packed into rows of
+    `row_length` tokens (first fit, longest first), each row holding whole sentences, in the same order on both
+    sides, and ending with a sequence of pad tokens up to its length (labels -100; empty where the row is full):
+    (rows, row_length) tensors with offsets over all their tokens. Without a kernel, attention runs per row under a
+    mask that keeps each sentence to itself, as a padded batch runs it; with one, over the offsets. `num_rows` fixes
+    the number of rows (the unused ones all padding).
+
+    Each option returns every batch flattened or packed. The sequences of source and target always pair up one
     to one: cross-attention reads target sequence i against source sequence i. (A Mixture-of-Experts router also
     routes the pad tokens: they count in its load-balancing statistics and its expert capacity.)
     """
@@ -54,6 +61,8 @@ class DataCollatorForSeq2SeqWithFlattening:
         pad_token_id: int | None = None,
         pad_to_multiple_of: int | None = None,
         num_sequences: int | None = None,
+        row_length: int | None = None,
+        num_rows: int | None = None,
     ):
         config = getattr(model, "config", None)
         self.decoder_start_token_id = first_set(decoder_start_token_id, getattr(config, "decoder_start_token_id", None))
@@ -63,25 +72,38 @@ class DataCollatorForSeq2SeqWithFlattening:
                 "DataCollatorForSeq2SeqWithFlattening needs decoder_start_token_id and pad_token_id: pass the model "
                 "(its config has them) or give both."
             )
-        for name, value in (("pad_to_multiple_of", pad_to_multiple_of), ("num_sequences", num_sequences)):
+        sizes = dict(
+            pad_to_multiple_of=pad_to_multiple_of, num_sequences=num_sequences, row_length=row_length, num_rows=num_rows
+        )
+        for name, value in sizes.items():
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"{name} must be None or an int >= 1, got {value!r}.")
+        if row_length is None and num_rows is not None:
+            raise ValueError("num_rows fixes the number of packed rows: it needs row_length.")
+        if row_length is not None and (pad_to_multiple_of is not None or num_sequences is not None):
+            raise ValueError(
+                "row_length packs whole rows, which fixes the shapes already: pad_to_multiple_of and num_sequences "
+                "are for the one-row layout."
+            )
         if pad_to_multiple_of is not None and num_sequences == 1:
             raise ValueError("num_sequences=1 leaves no slot for a sentence once pad_to_multiple_of takes one.")
-        # The padding's positions run up to pad_to_multiple_of - 1: learned positions must have them.
-        if getattr(config, "position_embedding_type", None) == "learned" and pad_to_multiple_of is not None:
-            if pad_to_multiple_of > config.max_position_embeddings:
+        # The padding's positions run up to pad_to_multiple_of - 1 (row_length - 1): learned positions must have them.
+        padding_name, padding = ("row_length", row_length) if row_length else ("pad_to_multiple_of", pad_to_multiple_of)
+        if getattr(config, "position_embedding_type", None) == "learned" and padding is not None:
+            if padding > config.max_position_embeddings:
                 raise ValueError(
-                    f"pad_to_multiple_of={pad_to_multiple_of} exceeds the model's learned positions "
+                    f"{padding_name}={padding} exceeds the model's learned positions "
                     f"(max_position_embeddings={config.max_position_embeddings}): the padding's sequence could be "
                     "that long."
                 )
         self.pad_to_multiple_of = pad_to_multiple_of
         self.num_sequences = num_sequences
+        self.row_length = row_length
+        self.num_rows = num_rows
 
     @property
     def static_shapes(self) -> bool:
-        return self.pad_to_multiple_of is not None or self.num_sequences is not None
+        return self.pad_to_multiple_of is not None or self.num_sequences is not None or self.row_length is not None
 
     def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
         sources = [torch.as_tensor(feature["input_ids"], dtype=torch.long) for feature in features]
@@ -96,6 +118,8 @@ class DataCollatorForSeq2SeqWithFlattening:
                 labels=torch.stack(labels),
                 decoder_input_ids=torch.stack(decoder_inputs),
             )
+        if self.row_length is not None:
+            return self.packed_rows(sources, labels, decoder_inputs)
         if self.pad_to_multiple_of is not None:
             source_padding, target_padding = self.padding_length(sources), self.padding_length(labels)
             sources.append(torch.full((source_padding,), self.pad_token_id))
@@ -116,6 +140,42 @@ class DataCollatorForSeq2SeqWithFlattening:
             decoder_position_ids=positions_of(labels),
             **self.offsets(sources, "k"),
             **self.offsets(labels, "q"),
+        )
+
+    def packed_rows(self, sources: list, labels: list, decoder_inputs: list) -> dict[str, Any]:
+        width = self.row_length
+        sizes = [(len(source), len(target)) for source, target in zip(sources, labels)]
+        if max(map(max, sizes)) > width:
+            raise ValueError(f"A sentence of {max(map(max, sizes))} tokens does not fit in row_length={width}.")
+        rows = []  # [source tokens, target tokens, pairs] of each row
+        for pair in sorted(range(len(sizes)), key=lambda index: -max(sizes[index])):
+            source_size, target_size = sizes[pair]
+            fits = (row for row in rows if row[0] + source_size <= width and row[1] + target_size <= width)
+            row = next(fits, None) or rows.append([0, 0, []]) or rows[-1]
+            row[0], row[1] = row[0] + source_size, row[1] + target_size
+            row[2].append(pair)
+        if self.num_rows is not None and len(rows) > self.num_rows:
+            raise ValueError(
+                f"A batch of {len(sizes)} pairs fills {len(rows)} rows, more than num_rows={self.num_rows}."
+            )
+        rows += [[0, 0, []] for _ in range(max((self.num_rows or 0) - len(rows), 0))]
+        streams = {"input_ids": [], "labels": [], "decoder_input_ids": []}
+        for source_size, target_size, pairs in rows:
+            for name, sequences, padding, used in (
+                ("input_ids", sources, self.pad_token_id, source_size),
+                ("labels", labels, IGNORE_INDEX, target_size),
+                ("decoder_input_ids", decoder_inputs, self.pad_token_id, target_size),
+            ):
+                streams[name] += [sequences[pair] for pair in pairs] + [torch.full((width - used,), padding)]
+        shape = (len(rows), width)
+        return dict(
+            **{name: torch.cat(sequences).view(shape) for name, sequences in streams.items()},
+            position_ids=positions_of(streams["input_ids"]).view(shape),
+            decoder_position_ids=positions_of(streams["labels"]).view(shape),
+            cu_seq_lens_k=offsets_of(streams["input_ids"]),
+            cu_seq_lens_q=offsets_of(streams["labels"]),
+            max_length_k=width,
+            max_length_q=width,
         )
 
     def shift(self, labels: torch.Tensor) -> torch.Tensor:
@@ -139,6 +199,10 @@ class DataCollatorForSeq2SeqWithFlattening:
 
 def first_set(*values):
     return next((value for value in values if value is not None), None)
+
+
+def offsets_of(sequences: list[torch.Tensor]) -> torch.Tensor:
+    return torch.tensor([0, *map(len, sequences)]).cumsum(0).to(torch.int32)
 
 
 def positions_of(sequences: list[torch.Tensor]) -> torch.Tensor:

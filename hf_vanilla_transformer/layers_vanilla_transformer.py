@@ -116,9 +116,12 @@ class VanillaTransformerAttention(nn.Module):
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
         longest = max(query.shape[-2], key.shape[-2])
         if layout is not None:
-            # transformers' flash integrations read the offsets themselves; every other call runs ours
+            # transformers' flash integrations read the offsets themselves; packed rows without a kernel are a padded
+            # batch with a mask that keeps each sequence to itself; every other call runs ours
             if layout.kernel in VARLEN_IMPLEMENTATIONS:
                 kwargs.update(layout.flash_kwargs())
+            elif layout.kernel is None and layout.queries.row_sequences is not None:
+                attention_mask = layout.mask
             else:
                 attention_interface, kwargs["layout"] = packed_attention, layout
             longest = max(layout.queries.max_length, layout.keys.max_length)

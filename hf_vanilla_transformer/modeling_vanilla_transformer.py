@@ -145,8 +145,9 @@ class VanillaTransformerStack(VanillaTransformerPreTrainedModel):
                 inputs_embeds = self.embed_tokens(input_ids)
         check_position_ids(position_ids, *inputs_embeds.shape[:2])
         if position_ids is None and sequences is not None:
-            position_ids = sequences.positions(inputs_embeds.shape[1])
-        hidden_states, rotary = self.embed_positions(inputs_embeds, position_ids, past_length)
+            position_ids = sequences.positions(inputs_embeds.shape[:2])
+        positions_below = sequences.max_length if sequences is not None else None
+        hidden_states, rotary = self.embed_positions(inputs_embeds, position_ids, past_length, positions_below)
         if self.first_layer_run > 0:  # a later pipeline rank: `inputs_embeds` is the previous rank's output
             return inputs_embeds, inputs_embeds, rotary
         return inputs_embeds, self.dropout(hidden_states), rotary
@@ -172,7 +173,7 @@ class VanillaTransformerStack(VanillaTransformerPreTrainedModel):
     def final_norm(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.layer_norm(hidden_states) if self.layer_norm is not None and self.runs_last_layer else hidden_states
 
-    def flattened_sequences(self, kwargs: dict, input_ids, inputs_embeds, source_length: int | None = None):
+    def flattened_sequences(self, kwargs: dict, input_ids, inputs_embeds, source_shape=None):
         """A flattened batch's sequences, (this stack's own: "q" for a decoder or a single stack, "k" for the
         encoder; the source's for cross-attention), taken out of the keyword arguments: the layers get them as
         `AttentionLayout`s. Also what runs their attention (`layout_kernel`)."""
@@ -182,9 +183,9 @@ class VanillaTransformerStack(VanillaTransformerPreTrainedModel):
         if not offsets:
             return None, None, None
         kernel = layout_kernel(self.config, self.embed_tokens.weight, self.training)
-        length = (input_ids if input_ids is not None else inputs_embeds).shape[1]
-        own = Sequences.of(offsets, "k" if isinstance(self, VanillaTransformerEncoder) else "q", length, kernel)
-        sources = Sequences.of(offsets, "k", source_length, kernel) if source_length is not None else None
+        shape = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
+        own = Sequences.of(offsets, "k" if isinstance(self, VanillaTransformerEncoder) else "q", shape, kernel)
+        sources = Sequences.of(offsets, "k", source_shape, kernel) if source_shape is not None else None
         return own, sources, kernel
 
 
@@ -271,8 +272,8 @@ class VanillaTransformerDecoder(VanillaTransformerStack):
         use_cache: bool | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> BaseModelOutputWithPastAndCrossAttentions:  # MoeDecoderOutput with experts, which adds the router logits
-        source_length = encoder_hidden_states.shape[1] if encoder_hidden_states is not None else None
-        targets, sources, kernel = self.flattened_sequences(kwargs, input_ids, inputs_embeds, source_length)
+        source_shape = encoder_hidden_states.shape[:2] if encoder_hidden_states is not None else None
+        targets, sources, kernel = self.flattened_sequences(kwargs, input_ids, inputs_embeds, source_shape)
         if use_cache and past_key_values is None and targets is None:  # a flattened batch is a training batch
             past_key_values = self.new_cache()
         first_layer = self.first_layer_run  # whose cache holds the decoded length
@@ -322,7 +323,7 @@ class VanillaTransformerDecoder(VanillaTransformerStack):
         weight = self.embed_tokens.weight
         self_attention_layout = AttentionLayout.of(targets, targets, True, kernel, weight)
         cross_attention_layout = (
-            AttentionLayout.of(targets, sources, False, kernel, weight) if source_length is not None else None
+            AttentionLayout.of(targets, sources, False, kernel, weight) if source_shape is not None else None
         )
         for layer in self.layers:
             hidden_states = layer(

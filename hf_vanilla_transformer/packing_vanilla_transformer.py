@@ -113,33 +113,40 @@ class Grid:
 @dataclass(frozen=True)
 class Sequences:
     """Where the sequences of one side of a flattened batch are: `cu_seq_lens` (sequences + 1,) int32 offsets into
-    its tokens, the longest one's length (a Python int: a shape, so no sync reads it), and, where the fallback will
-    attend, their `grid`."""
+    its tokens, the longest one's length (a Python int: a shape, so no sync reads it), and where the fallback will
+    attend, a (1, tokens) batch's `grid`, or a batch of packed rows' `row_sequences`: (rows, row_length), the
+    sequence of each token."""
 
     cu_seq_lens: torch.Tensor
     max_length: int
     grid: Grid | None = None
+    row_sequences: torch.Tensor | None = None
 
     @classmethod
-    def of(cls, kwargs: dict[str, Any], side: str, num_tokens: int, kernel: str | None) -> "Sequences | None":
-        """The sequences of one side ("q": the target or a single stack's, "k": the source) given in `kwargs`, with
-        the grid where `kernel` is None. Trusted: the head checked them (`check_offsets`)."""
+    def of(cls, kwargs: dict[str, Any], side: str, shape: tuple[int, int], kernel: str | None) -> "Sequences | None":
+        """The sequences of one side ("q": the target or a single stack's, "k": the source) given in `kwargs`, laid
+        out in a (rows, row_length) `shape`. Trusted: the head checked them (`check_flattened_batch`)."""
         cu_seq_lens = kwargs.get(f"cu_seq_lens_{side}")
         if cu_seq_lens is None:
             return None
         max_length = int(kwargs[f"max_length_{side}"])
-        grid = Grid.of(cu_seq_lens, max_length, num_tokens) if kernel is None else None
-        return cls(cu_seq_lens, max_length, grid)
+        if kernel is not None:
+            return cls(cu_seq_lens, max_length)
+        if shape[0] == 1:
+            return cls(cu_seq_lens, max_length, grid=Grid.of(cu_seq_lens, max_length, shape[1]))
+        tokens = torch.arange(shape[0] * shape[1], dtype=torch.int32, device=cu_seq_lens.device)
+        row_sequences = torch.searchsorted(cu_seq_lens[1:], tokens, right=True).view(shape)
+        return cls(cu_seq_lens, max_length, row_sequences=row_sequences)
 
     @property
     def count(self) -> int:
         return self.cu_seq_lens.shape[0] - 1
 
-    def positions(self, num_tokens: int) -> torch.Tensor:
-        """(1, tokens): each token's position in its own sequence, 0 at each start."""
-        tokens = torch.arange(num_tokens, device=self.cu_seq_lens.device)
+    def positions(self, shape: tuple[int, int]) -> torch.Tensor:
+        """`shape`: each token's position in its own sequence, 0 at each start."""
+        tokens = torch.arange(shape[0] * shape[1], device=self.cu_seq_lens.device)
         starts = self.cu_seq_lens.long()
-        return (tokens - starts[torch.searchsorted(starts[1:], tokens, right=True)])[None]
+        return (tokens - starts[torch.searchsorted(starts[1:], tokens, right=True)]).view(shape)
 
 
 @dataclass(frozen=True)
@@ -171,14 +178,15 @@ class AttentionLayout:
             )
         if kernel is not None:
             return cls(queries, keys, kernel)
-        visible = keys.grid.visible[:, None, None, :]
-        if causal:  # cell i of a sequence sees its cells <= i
+        if queries.row_sequences is not None:  # packed rows: a key is visible to the queries of its own sequence
+            visible = (queries.row_sequences[:, :, None] == keys.row_sequences[:, None, :])[:, None]
+            cells_q, cells_k = queries.row_sequences.shape[1], keys.row_sequences.shape[1]
+        else:
+            visible = keys.grid.visible[:, None, None, :]
+            cells_q, cells_k = queries.max_length, keys.max_length
+        if causal:  # cell i of a sequence (or of a row, which holds whole sequences) sees its cells <= i
             device = visible.device
-            cells_q, cells_k = (
-                torch.arange(queries.max_length, device=device),
-                torch.arange(keys.max_length, device=device),
-            )
-            visible = visible & (cells_k <= cells_q[:, None])
+            visible = visible & (torch.arange(cells_k, device=device) <= torch.arange(cells_q, device=device)[:, None])
         dtype = attention_dtype(weight)
         mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(
             ~visible, torch.finfo(dtype).min
@@ -200,25 +208,26 @@ def check_flattened_batch(
 ) -> None:
     """The offsets of a flattened batch, checked once, where a head receives them (the stacks trust them): the
     target's or a single stack's ("q") against the tokens of `inputs` (ids or embeddings), the source's ("k")
-    against `source_inputs`' (a single stack's: `inputs`' too, as transformers' collator gives both)."""
+    against `source_inputs`' (a single stack's: `inputs`' too, as transformers' collator gives both). The tokens lie
+    in one row, or in packed rows that each hold whole sequences, as many on both sides."""
     if inputs is None or kwargs.get("cu_seq_lens_q") is None and kwargs.get("cu_seq_lens_k") is None:
         return
     source_inputs = inputs if source_inputs is None else source_inputs
-    for batch in (inputs, source_inputs):
-        if batch.shape[0] != 1:
-            raise ValueError(
-                "A flattened batch (cu_seq_lens_q/k) lays its sequences end to end in one row, got batch size "
-                f"{batch.shape[0]}: pass input_ids of shape (1, total tokens)."
-            )
+    if inputs.shape[0] != source_inputs.shape[0]:
+        raise ValueError(
+            f"A batch of packed rows has as many source rows as target rows, got {source_inputs.shape[0]} and "
+            f"{inputs.shape[0]}."
+        )
     for side, tokens in (("q", inputs), ("k", source_inputs)):
         if kwargs.get(f"cu_seq_lens_{side}") is not None:
-            check_offsets(kwargs[f"cu_seq_lens_{side}"], kwargs.get(f"max_length_{side}"), tokens.shape[1], side)
+            check_offsets(kwargs[f"cu_seq_lens_{side}"], kwargs.get(f"max_length_{side}"), tokens.shape[:2], side)
 
 
-def check_offsets(cu_seq_lens: Any, max_length: Any, num_tokens: int, side: str) -> None:
+def check_offsets(cu_seq_lens: Any, max_length: Any, shape: tuple[int, int], side: str) -> None:
     """Offsets that would attend across sequences or index past the tokens are refused: int32 (what the kernels
-    take), 1-D, from 0, not decreasing, ending at the token count, and `max_length` at least the longest sequence.
-    Values are checked without a host sync (`require`: a ValueError on a CPU, a device-side assert on CUDA)."""
+    take), 1-D, from 0, not decreasing, ending at the token count, `max_length` at least the longest sequence, and
+    in a (rows, row_length) `shape` of several rows, no sequence across two rows. Values are checked without a host
+    sync (`require`: a ValueError on a CPU, a device-side assert on CUDA)."""
     name, length_name = f"cu_seq_lens_{side}", f"max_length_{side}"
     if not isinstance(cu_seq_lens, torch.Tensor) or cu_seq_lens.dtype != torch.int32 or cu_seq_lens.dim() != 1:
         tensor = isinstance(cu_seq_lens, torch.Tensor)
@@ -230,10 +239,21 @@ def check_offsets(cu_seq_lens: Any, max_length: Any, num_tokens: int, side: str)
         max_length = int(max_length)  # a collator's 0-dim tensor: on the CPU, so no sync
     if not isinstance(max_length, int) or isinstance(max_length, bool):
         raise ValueError(f"{name} needs {length_name}, the longest sequence's length as an int, got {max_length!r}.")
+    # One check, one device-side assert: each condition is a kernel launch on an accelerator.
+    rows, row_length = shape
     lengths = cu_seq_lens[1:] - cu_seq_lens[:-1]
-    bounds = torch.stack([cu_seq_lens[0] == 0, cu_seq_lens[-1] == num_tokens, (lengths >= 0).all()])
-    require(bounds.all(), f"{name} must rise from 0 to the token count ({num_tokens}) without decreasing.")
-    require((lengths <= max_length).all(), f"{length_name}={max_length} is shorter than a sequence of {name}.")
+    conditions = [cu_seq_lens[:1] == 0, cu_seq_lens[-1:] == rows * row_length, lengths >= 0, lengths <= max_length]
+    across_rows = ""
+    if rows > 1:
+        # no sequence across a row's end: every row starts one (offsets rise, so this is the same thing)
+        row_starts = torch.arange(0, rows * row_length, row_length, device=cu_seq_lens.device, dtype=torch.int32)
+        conditions.append(torch.isin(row_starts, cu_seq_lens))
+        across_rows = f", and none across two of the {rows} rows of {row_length} tokens"
+    require(
+        torch.cat(conditions).all(),
+        f"{name} must rise from 0 to the token count ({rows * row_length}) without decreasing, its sequences no "
+        f"longer than {length_name}={max_length}{across_rows}.",
+    )
 
 
 def packed_attention(
@@ -260,7 +280,8 @@ def packed_attention(
 
 def torch_varlen_attention(module, query, key, value, layout: AttentionLayout, scaling: float) -> torch.Tensor:
     """torch's `varlen_attn` on (tokens, heads, head_dim) views, the projections' own memory order."""
-    query, key, value = (tensor.squeeze(0).transpose(0, 1) for tensor in (query, key, value))
+    rows, row_length = query.shape[0], query.shape[2]
+    query, key, value = (tensor.transpose(1, 2).flatten(0, 1) for tensor in (query, key, value))
     offsets = layout.flash_kwargs().values()
     if VARLEN_SIGNATURE == "scale":
         window = (-1, 0) if module.is_causal else (-1, -1)
@@ -276,7 +297,7 @@ def torch_varlen_attention(module, query, key, value, layout: AttentionLayout, s
         if groups > 1:
             key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
         output = varlen_attn(query, key, value, *offsets, is_causal=module.is_causal)
-    return output[None]
+    return output.unflatten(0, (rows, row_length))
 
 
 def flash_attn_attention(module, query, key, value, layout: AttentionLayout, scaling: float, dropout: float, **kwargs):
@@ -326,10 +347,11 @@ def shift_packed_labels(
 ) -> torch.Tensor:
     """Teacher forcing on a flattened target: each sequence's labels shifted right behind the decoder start token,
     -100 replaced by the pad token (what `shift_tokens_right` does to each row of a padded batch)."""
-    # One column past the end takes the starts of empty sequences there (a collator's fixed slots).
-    shifted = torch.nn.functional.pad(labels.roll(1, dims=-1), (0, 1))
-    shifted[:, cu_seq_lens[:-1].long()] = decoder_start_token_id
-    return shifted[:, :-1].masked_fill(shifted[:, :-1] == IGNORE_INDEX, pad_token_id)
+    # Laid end to end (packed rows too); one more position takes the starts of empty sequences at the end.
+    shifted = torch.nn.functional.pad(labels.flatten().roll(1), (0, 1))
+    shifted[cu_seq_lens[:-1].long()] = decoder_start_token_id
+    shifted = shifted[:-1].view(labels.shape)
+    return shifted.masked_fill(shifted == IGNORE_INDEX, pad_token_id)
 
 
 __all__ = [

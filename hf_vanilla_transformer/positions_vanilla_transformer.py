@@ -1,6 +1,7 @@
 """Position information (§3.5 and its successors).
 
-Every position module maps `(inputs_embeds, position_ids, past_length)` to `(hidden_states, rotary)`: additive
+Every position module maps `(inputs_embeds, position_ids, past_length, positions_below)` to `(hidden_states,
+rotary)` (`positions_below`: a bound on `position_ids` the caller knows, which only a table lookup needs): additive
 encodings return the embeddings with positions added and no rotary table; RoPE returns the embeddings unchanged and
 the `(cos, sin)` table that self-attention applies to queries and keys. Without `position_ids` the positions are
 `past_length`, `past_length + 1`, ... (after a cache).
@@ -10,7 +11,7 @@ import torch
 from torch import nn
 
 from .configuration_vanilla_transformer import VanillaTransformerConfig
-from .inputs_vanilla_transformer import require
+from .inputs_vanilla_transformer import raises_value_error, require
 
 PositionOutput = tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]
 
@@ -49,11 +50,20 @@ class SinusoidalPositionalEmbedding(nn.Module):
         return sinusoidal_position_encoding(position_ids, self.dim, self.layout)
 
     def forward(
-        self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor | None, past_length: int | torch.Tensor = 0
+        self,
+        inputs_embeds: torch.Tensor,
+        position_ids: torch.Tensor | None,
+        past_length: int | torch.Tensor = 0,
+        positions_below: int | None = None,
     ) -> PositionOutput:
+        """`positions_below`: a bound the caller knows `position_ids` keep to (a flattened batch's longest sequence),
+        so that they can be looked up in the table."""
         length = inputs_embeds.shape[1]
         if position_ids is None and isinstance(past_length, int) and past_length + length <= len(self.table):
             encoding = self.table[past_length : past_length + length]
+        elif position_ids is not None and positions_below is not None and positions_below <= len(self.table):
+            with raises_value_error(IndexError, f"position_ids hold a position past max_length ({positions_below})"):
+                encoding = nn.functional.embedding(position_ids, self.table)
         else:
             positions = default_positions(inputs_embeds, past_length) if position_ids is None else position_ids
             encoding = self.encoding(positions)
@@ -67,7 +77,11 @@ class LearnedPositionalEmbedding(nn.Embedding):
         super().__init__(config.max_position_embeddings, config.d_model)
 
     def forward(
-        self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor | None, past_length: int | torch.Tensor = 0
+        self,
+        inputs_embeds: torch.Tensor,
+        position_ids: torch.Tensor | None,
+        past_length: int | torch.Tensor = 0,
+        positions_below: int | None = None,
     ) -> PositionOutput:
         position_ids = default_positions(inputs_embeds, past_length) if position_ids is None else position_ids
         require(
@@ -87,7 +101,11 @@ class RotaryEmbedding(nn.Module):
         self.theta = config.rope_theta
 
     def forward(
-        self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor | None, past_length: int | torch.Tensor = 0
+        self,
+        inputs_embeds: torch.Tensor,
+        position_ids: torch.Tensor | None,
+        past_length: int | torch.Tensor = 0,
+        positions_below: int | None = None,
     ) -> PositionOutput:
         position_ids = default_positions(inputs_embeds, past_length) if position_ids is None else position_ids
         exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=position_ids.device) / self.head_dim
@@ -105,7 +123,11 @@ class NoPositionalEmbedding(nn.Module):
         super().__init__()
 
     def forward(
-        self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor | None, past_length: int | torch.Tensor = 0
+        self,
+        inputs_embeds: torch.Tensor,
+        position_ids: torch.Tensor | None,
+        past_length: int | torch.Tensor = 0,
+        positions_below: int | None = None,
     ) -> PositionOutput:
         return inputs_embeds, None
 

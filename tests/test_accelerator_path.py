@@ -46,7 +46,13 @@ from hf_vanilla_transformer import (
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from aten_op_counts import kernel_ops, op_count_case, varlen_kernel_stand_in  # noqa: E402
+from aten_op_counts import (  # noqa: E402  (the op counts of benchmarks/aten_op_counts.py)
+    kernel_count,
+    kernel_ops,
+    op_count_case,
+    training_step_op_names,
+    varlen_kernel_stand_in,
+)
 from marian_twin import marian_config  # noqa: E402  (HF Marian with our dimensions, as the speed benchmarks build it)
 
 aten = torch.ops.aten
@@ -337,13 +343,25 @@ def test_seq2seq_training_step_dispatches_no_more_ops_than_marian() -> None:
     )
 
 
+def test_packed_rows_step_without_a_kernel_dispatches_no_more_ops_than_marian() -> None:
+    """Where no variable-length kernel runs (a CPU, float32, attention dropout), sentences packed into rows of whole
+    sentences (`row_length`) train with one mask per attention kind built once per stack: the step dispatches no
+    more aten ops, and no more that launch a kernel, than HF Marian's padded step on the same sentences (8 pairs of
+    4-24 tokens, 2+2 layers, d_model 64, dropout 0.1), the offsets' checks included."""
+    ours, marian, _, rows, padded = op_count_case()
+    with mock.patch.object(dropout_module, "cpu_samples_dropout_per_element", lambda: False):
+        ours_ops, marian_ops = training_step_op_names(ours, rows), training_step_op_names(marian, padded)
+    assert sum(ours_ops.values()) <= sum(marian_ops.values())
+    assert kernel_count(ours_ops) <= kernel_count(marian_ops)
+
+
 def test_flattened_step_where_the_varlen_kernel_runs_launches_no_more_kernels_than_marian() -> None:
     """The layout a GPU trains on by default (flattened, with torch's variable-length kernel: here a stand-in that is
     one op each way) dispatches no more aten ops that launch a kernel (views left out) than HF Marian's padded step
     on the same sentences: 8 pairs of 4-24 tokens, 2+2 layers, d_model 64, dropout 0.1 (benchmarks/aten_op_counts.py
     prints every count). The offsets' value checks are counted: they run on the device too. And the kernel's branch
     computes the fallback's loss and gradients."""
-    ours, marian, flattened, padded = op_count_case()
+    ours, marian, flattened, _, padded = op_count_case()
 
     def step(batch) -> list[torch.Tensor]:  # the loss and the gradients, dropout drawn from one seed
         ours.zero_grad()

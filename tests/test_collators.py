@@ -250,3 +250,27 @@ def test_a_compiled_training_step_compiles_one_graph_per_bucket():
         torch._dynamo.reset()
     buckets = budget // multiple  # the stream lengths a batch can take: 64, 128, 192, 256
     assert len(graphs) == len(shapes) <= buckets
+
+
+def test_packed_rows_of_fixed_shape_compile_once():
+    """Packed rows with a fixed row length and number of rows (`row_length`, `num_rows`): 50 batches of 8
+    Multi30k-like pairs give one shape, and the compiled training forward (one graph) is compiled once."""
+    pairs = multi30k_like_pairs(400, seed=1)
+    model = translation_model(encoder_layers=1, decoder_layers=1)
+    collator = DataCollatorForSeq2SeqWithFlattening(model, row_length=48, num_rows=8)
+    batches = [collator(pairs[start : start + 8]) for start in range(0, 400, 8)]
+    assert {tuple(batch["input_ids"].shape) for batch in batches} == {(8, 48)}
+    graphs = []
+
+    def counting_backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=counting_backend, fullgraph=True, dynamic=False)
+    try:
+        for batch in batches:
+            compiled(**batch).loss.backward()
+    finally:
+        torch._dynamo.reset()
+    assert len(graphs) == 1

@@ -31,7 +31,7 @@ from hf_vanilla_transformer import packing_vanilla_transformer as packing
 from hf_vanilla_transformer.packing_vanilla_transformer import Sequences, packed_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from aten_op_counts import OpNames  # noqa: E402  (the benchmark's op counter)
+from aten_op_counts import OpNames, varlen_kernel_stand_in  # noqa: E402  (the benchmark's counter, kernel)
 
 VARIANTS = {
     "paper": {},
@@ -143,6 +143,64 @@ def test_flattened_translation_step_equals_the_padded_step(variant):
     assert_same_step(model, flattened, padded_translation_batch(features, model))
 
 
+@pytest.mark.parametrize("variant", [name for name in VARIANTS if "moe" not in name])
+def test_packed_rows_step_equals_the_padded_step(variant):
+    """Pairs packed into rows of whole sentences (`row_length`): loss and every gradient equal the padded batch's,
+    attention per row under a mask that keeps each sentence to itself. (Not with experts: their routers also route
+    the rows' padding, which the balancing loss then counts.)"""
+    model = build(VanillaTransformerForConditionalGeneration, **VARIANTS[variant])
+    features = translation_features()
+    rows = DataCollatorForSeq2SeqWithFlattening(model, row_length=12)(features)
+    assert rows["input_ids"].shape == (2, 12)
+    assert_same_step(model, rows, padded_translation_batch(features, model))
+
+
+def test_packed_rows_through_a_varlen_kernel_train_as_on_the_fallback():
+    """Packed rows where torch's variable-length kernel runs (a stand-in that computes what its documentation
+    specifies: benchmarks/aten_op_counts.py) give the fallback's loss and gradients: the kernel reads the rows as one
+    stream over the offsets."""
+    model = build(VanillaTransformerForConditionalGeneration)
+    rows = DataCollatorForSeq2SeqWithFlattening(model, row_length=12)(translation_features())
+    fallback_loss, fallback_gradients = loss_and_gradients(model, rows)
+    with varlen_kernel_stand_in():
+        loss, gradients = loss_and_gradients(model, rows)
+    torch.testing.assert_close(loss, fallback_loss, rtol=1e-5, atol=1e-6)
+    for gradient, expected in zip(gradients, fallback_gradients):
+        torch.testing.assert_close(gradient, expected, rtol=1e-4, atol=1e-6)
+
+
+def test_packed_rows_hold_whole_sentences_in_the_same_order_on_both_sides():
+    """First fit, longest pair first: each row holds whole sentences and ends with its padding's sequence (pad
+    tokens, labels -100, positions from 0; empty where the row is full); `num_rows` adds rows of padding."""
+    features = [
+        {"input_ids": [5, 6, 7], "labels": [8, 9]},
+        {"input_ids": [10], "labels": [11, 12, 13, 14]},
+        {"input_ids": [15, 16], "labels": [17]},
+    ]
+    collator = DataCollatorForSeq2SeqWithFlattening(decoder_start_token_id=1, pad_token_id=0, row_length=5, num_rows=3)
+    batch = collator(features)
+    # The longest pair (1 + 4 tokens) first; the next (3 + 2) overflows its row's target: a row of its own; the
+    # last (2 + 1) fills the first row's target, whose padding's sequence is then empty.
+    assert batch["input_ids"].tolist() == [[10, 15, 16, 0, 0], [5, 6, 7, 0, 0], [0, 0, 0, 0, 0]]
+    assert batch["labels"].tolist() == [[11, 12, 13, 14, 17], [8, 9, -100, -100, -100], [-100] * 5]
+    assert batch["decoder_input_ids"].tolist() == [[1, 11, 12, 13, 1], [1, 8, 0, 0, 0], [0] * 5]
+    assert batch["position_ids"].tolist() == [[0, 0, 1, 0, 1], [0, 1, 2, 0, 1], [0, 1, 2, 3, 4]]
+    assert batch["decoder_position_ids"].tolist() == [[0, 1, 2, 3, 0], [0, 1, 0, 1, 2], [0, 1, 2, 3, 4]]
+    assert batch["cu_seq_lens_k"].tolist() == [0, 1, 3, 5, 8, 10, 15]
+    assert batch["cu_seq_lens_q"].tolist() == [0, 4, 5, 5, 7, 10, 15]
+    assert batch["max_length_k"] == batch["max_length_q"] == 5
+    with pytest.raises(ValueError, match="does not fit in row_length=3"):
+        DataCollatorForSeq2SeqWithFlattening(decoder_start_token_id=1, pad_token_id=0, row_length=3)(features)
+    with pytest.raises(ValueError, match="more than num_rows=1"):
+        DataCollatorForSeq2SeqWithFlattening(decoder_start_token_id=1, pad_token_id=0, row_length=5, num_rows=1)(
+            features
+        )
+    with pytest.raises(ValueError, match="needs row_length"):
+        DataCollatorForSeq2SeqWithFlattening(decoder_start_token_id=1, pad_token_id=0, num_rows=2)
+    with pytest.raises(ValueError, match="one-row layout"):
+        DataCollatorForSeq2SeqWithFlattening(decoder_start_token_id=1, pad_token_id=0, row_length=5, num_sequences=4)
+
+
 def test_flattened_translation_derives_decoder_inputs_and_positions():
     """Without decoder_input_ids and position ids the model shifts the flattened labels per sequence and restarts
     the positions at each sequence, as the collator does."""
@@ -240,7 +298,7 @@ def layout_of(queries, keys, causal: bool, kernel: str | None) -> packing.Attent
     def sequences(offsets):
         lengths = offsets[1:] - offsets[:-1]
         offsets_kwargs = {"cu_seq_lens_q": offsets, "max_length_q": int(lengths.max())}
-        return Sequences.of(offsets_kwargs, "q", int(offsets[-1]), kernel)
+        return Sequences.of(offsets_kwargs, "q", (1, int(offsets[-1])), kernel)
 
     return packing.AttentionLayout.of(sequences(queries), sequences(keys), causal, kernel, torch.ones(1))
 
@@ -371,13 +429,13 @@ def test_sequences_positions_and_grid():
     """The fallback's grid: each cell's token (past a sequence's end its last token, an empty sequence's the token
     before), each token's cell, the visible keys (one in an empty sequence)."""
     offsets = torch.tensor([0, 3, 4, 4, 6], dtype=torch.int32)
-    sequences = Sequences.of({"cu_seq_lens_q": offsets, "max_length_q": 3}, "q", 6, kernel=None)
-    assert sequences.positions(6).tolist() == [[0, 1, 2, 0, 0, 1]]
+    sequences = Sequences.of({"cu_seq_lens_q": offsets, "max_length_q": 3}, "q", (1, 6), kernel=None)
+    assert sequences.positions((1, 6)).tolist() == [[0, 1, 2, 0, 0, 1]]
     grid = sequences.grid
     assert grid.reads.view(4, 3).tolist() == [[0, 1, 2], [3, 3, 3], [3, 3, 3], [4, 5, 5]]
     assert grid.sequence.tolist() == [0, 0, 0, 1, 3, 3] and grid.position.tolist() == [0, 1, 2, 0, 0, 1]
     assert grid.visible.int().tolist() == [[1, 1, 1], [1, 0, 0], [1, 0, 0], [1, 1, 0]]
-    assert Sequences.of({"cu_seq_lens_q": offsets, "max_length_q": 3}, "q", 6, kernel="torch").grid is None
+    assert Sequences.of({"cu_seq_lens_q": offsets, "max_length_q": 3}, "q", (1, 6), kernel="torch").grid is None
 
 
 @pytest.mark.parametrize("model_class", [VanillaTransformerForConditionalGeneration, VanillaTransformerForCausalLM])
@@ -419,7 +477,7 @@ BAD_OFFSETS = {
     "short of the tokens": (lambda offsets, longest: (offsets[:-1], longest), "rise from 0 to the token count"),
     "decreasing": (lambda offsets, longest: (offsets.flip(0).contiguous(), longest), "rise from 0"),
     "not from 0": (lambda offsets, longest: (offsets + 1, longest), "rise from 0"),
-    "max length below the longest": (lambda offsets, longest: (offsets, longest - 1), "is shorter than a sequence"),
+    "max length below the longest": (lambda offsets, longest: (offsets, longest - 1), "no longer than max_length"),
     "max length missing": (lambda offsets, longest: (offsets, None), "needs max_length"),
 }
 
@@ -458,12 +516,16 @@ def test_bad_offsets_of_a_flattened_single_stack_batch_are_refused(corruption, m
         model(**corrupted(flattened, side, corruption))
 
 
-def test_a_flattened_batch_has_one_row():
+def test_packed_rows_must_hold_whole_sequences_as_many_on_both_sides():
+    """A batch of several rows must keep each sequence in one row, and have as many source rows as target rows."""
     model = build(VanillaTransformerForConditionalGeneration)
-    batch = DataCollatorForSeq2SeqWithFlattening(model)(translation_features())
-    batch["input_ids"] = batch["input_ids"].expand(2, -1)
-    with pytest.raises(ValueError, match="one row, got batch size 2"):
-        model(**batch)
+    batch = DataCollatorForSeq2SeqWithFlattening(model, row_length=12)(translation_features())
+    across = dict(batch, cu_seq_lens_k=batch["cu_seq_lens_k"] + torch.tensor([0, 0, 1, 1, 0, 0], dtype=torch.int32))
+    with pytest.raises(ValueError, match="cu_seq_lens_k must .* none across two of the 2 rows of 12 tokens"):
+        model(**across)
+    fewer_rows = dict(batch, input_ids=batch["input_ids"][:1], position_ids=batch["position_ids"][:1])
+    with pytest.raises(ValueError, match="as many source rows as target rows, got 1 and 2"):
+        model(**fewer_rows)
 
 
 def test_the_fallback_builds_its_indices_once_per_stack():

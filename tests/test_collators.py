@@ -11,8 +11,8 @@ from unittest import mock
 import pytest
 import torch
 from conftest import tiny_config
-from transformers import DataCollatorForSeq2Seq, MarianConfig, MarianMTModel, PreTrainedTokenizerFast
 from tokenizers import Tokenizer, models
+from transformers import DataCollatorForSeq2Seq, MarianConfig, MarianMTModel, PreTrainedTokenizerFast
 
 from hf_vanilla_transformer import (
     DataCollatorForSeq2SeqWithFlattening,

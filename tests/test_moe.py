@@ -39,8 +39,8 @@ from hf_vanilla_transformer.moe_vanilla_transformer import (
     sorted_grouped_mm_experts_forward,
     within_capacity,
 )
-from hf_vanilla_transformer.router_losses_vanilla_transformer import load_balancing_loss, router_z_loss
 from hf_vanilla_transformer.norms_vanilla_transformer import SublayerConnection
+from hf_vanilla_transformer.router_losses_vanilla_transformer import load_balancing_loss, router_z_loss
 
 
 def moe_config(**overrides):

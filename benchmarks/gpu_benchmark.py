@@ -423,9 +423,13 @@ def training_step_section(settings: Settings, peak_flops: float) -> dict:
         marian_collator(marian, padding_tokenizer(marian.config.vocab_size)), features, settings.repeats
     )
     flattened, flattened_seconds = collate_timed(DataCollatorForSeq2SeqWithFlattening(ours), features, settings.repeats)
-    padded, flattened = to_device(padded, settings.device), to_device(flattened, settings.device)
+    # Packed rows as long as the longest sentence: the layout for a GPU without a variable-length kernel.
+    rows_collator = DataCollatorForSeq2SeqWithFlattening(ours, row_length=max(shapes.lengths))
+    rows, rows_seconds = collate_timed(rows_collator, features, settings.repeats)
+    padded, flattened, rows = (to_device(batch, settings.device) for batch in (padded, flattened, rows))
     check = check_losses(ours, marian, flattened, padded, settings)
     check["ours_gradient_relative_difference"] = gradient_difference(ours, flattened, padded, settings)
+    check["ours_rows_loss_abs_diff"] = abs(loss_of(ours, rows, settings) - check["loss_ours"])
     optimizers = {model: fused_adamw(model) for model in (ours, marian)}
 
     def candidate(model, batch: dict, **kwargs) -> Candidate:
@@ -434,6 +438,7 @@ def training_step_section(settings: Settings, peak_flops: float) -> dict:
     candidates = {
         "ours_flattened": candidate(ours, flattened, **OURS_TRAINING_KWARGS),
         "ours_padded": candidate(ours, padded, **OURS_TRAINING_KWARGS),
+        "ours_rows": candidate(ours, rows, **OURS_TRAINING_KWARGS),
         "marian": candidate(marian, padded),
     }
     source_lengths = [len(f["input_ids"]) for f in features]
@@ -447,7 +452,12 @@ def training_step_section(settings: Settings, peak_flops: float) -> dict:
         "padding_fraction": 1 - (sum(source_lengths) + tokens) / sum(padded[key].numel() for key in features[0]),
         "mode": "eager",
         "check": check,
-        "collator_cpu_seconds_per_batch": {"ours_flattened": flattened_seconds, "marian": padded_seconds},
+        "collator_cpu_seconds_per_batch": {
+            "ours_flattened": flattened_seconds,
+            "ours_rows": rows_seconds,
+            "marian": padded_seconds,
+        },
+        "rows_shape": list(rows["input_ids"].shape),
         "candidates": compare_training(candidates, tokens, flops, peak_flops, settings),
     }
 

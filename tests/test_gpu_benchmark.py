@@ -60,8 +60,9 @@ def test_quick_run_measures_every_section(tmp_path):
         assert abs(row["ours"]["train_loss"] - row["marian"]["train_loss"]) < 0.1
 
     step = results["training_step"]
-    assert set(step["candidates"]) == {"ours_flattened", "ours_padded", "marian"}
+    assert set(step["candidates"]) == {"ours_flattened", "ours_padded", "ours_rows", "marian"}
     assert step["check"]["ours_layout_abs_diff"] < 1e-4  # flattened against padded
+    assert step["check"]["ours_rows_loss_abs_diff"] < 1e-4 and step["check"]["ours_gradient_relative_difference"] < 1e-2
     assert all(seconds > 0 for seconds in step["collator_cpu_seconds_per_batch"].values())
     assert 0 < step["padding_fraction"] < 1
 

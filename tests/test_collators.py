@@ -235,6 +235,13 @@ def test_a_compiled_training_step_compiles_one_graph_per_bucket():
     shapes = {(batch["input_ids"].shape[1], batch["labels"].shape[1]) for batch in batches}
     assert {(batch["max_length_k"], batch["max_length_q"]) for batch in batches} == {(multiple, multiple)}
 
+    buckets = budget // multiple  # the stream lengths a batch can take: 64, 128, 192, 256
+    assert graphs_compiled(model, batches) == len(shapes) <= buckets
+
+
+def graphs_compiled(model, batches: list[dict]) -> int:
+    """How many graphs `torch.compile(fullgraph=True)` of the training forward compiles over `batches` (forward and
+    backward run on each)."""
     graphs = []
 
     def counting_backend(graph_module, example_inputs):
@@ -248,8 +255,7 @@ def test_a_compiled_training_step_compiles_one_graph_per_bucket():
             compiled(**batch).loss.backward()
     finally:
         torch._dynamo.reset()
-    buckets = budget // multiple  # the stream lengths a batch can take: 64, 128, 192, 256
-    assert len(graphs) == len(shapes) <= buckets
+    return len(graphs)
 
 
 def test_packed_rows_of_fixed_shape_compile_once():
@@ -260,17 +266,4 @@ def test_packed_rows_of_fixed_shape_compile_once():
     collator = DataCollatorForSeq2SeqWithFlattening(model, row_length=48, num_rows=8)
     batches = [collator(pairs[start : start + 8]) for start in range(0, 400, 8)]
     assert {tuple(batch["input_ids"].shape) for batch in batches} == {(8, 48)}
-    graphs = []
-
-    def counting_backend(graph_module, example_inputs):
-        graphs.append(graph_module)
-        return graph_module.forward
-
-    torch._dynamo.reset()
-    compiled = torch.compile(model, backend=counting_backend, fullgraph=True, dynamic=False)
-    try:
-        for batch in batches:
-            compiled(**batch).loss.backward()
-    finally:
-        torch._dynamo.reset()
-    assert len(graphs) == 1
+    assert graphs_compiled(model, batches) == 1

@@ -143,6 +143,7 @@ class DataCollatorForSeq2SeqWithFlattening:
         )
 
     def packed_rows(self, sources: list, labels: list, decoder_inputs: list) -> dict[str, Any]:
+        """The pairs in rows of `row_length` tokens (see the class docstring)."""
         width = self.row_length
         sizes = [(len(source), len(target)) for source, target in zip(sources, labels)]
         if max(map(max, sizes)) > width:
@@ -151,7 +152,10 @@ class DataCollatorForSeq2SeqWithFlattening:
         for pair in sorted(range(len(sizes)), key=lambda index: -max(sizes[index])):
             source_size, target_size = sizes[pair]
             fits = (row for row in rows if row[0] + source_size <= width and row[1] + target_size <= width)
-            row = next(fits, None) or rows.append([0, 0, []]) or rows[-1]
+            row = next(fits, None)
+            if row is None:
+                row = [0, 0, []]
+                rows.append(row)
             row[0], row[1] = row[0] + source_size, row[1] + target_size
             row[2].append(pair)
         if self.num_rows is not None and len(rows) > self.num_rows:
@@ -191,10 +195,12 @@ class DataCollatorForSeq2SeqWithFlattening:
         return self.round_up(tokens + 1) - tokens
 
     def offsets(self, sequences: list[torch.Tensor], side: str) -> dict[str, Any]:
-        lengths = [len(sequence) for sequence in sequences]
-        empty_slots = [0] * ((self.num_sequences or len(lengths)) - len(lengths))
-        cu_seq_lens = torch.tensor([0, *lengths, *empty_slots]).cumsum(0).to(torch.int32)
-        return {f"cu_seq_lens_{side}": cu_seq_lens, f"max_length_{side}": self.round_up(max(lengths))}
+        empty_slots = [torch.empty(0)] * ((self.num_sequences or len(sequences)) - len(sequences))
+        longest = max(len(sequence) for sequence in sequences)
+        return {
+            f"cu_seq_lens_{side}": offsets_of(sequences + empty_slots),
+            f"max_length_{side}": self.round_up(longest),
+        }
 
 
 def first_set(*values):

@@ -17,6 +17,10 @@ self-attention: target/target; cross-attention: target/source) and hands one to 
 a variable-length kernel where one runs (`varlen_kernel`: torch's `varlen_attn` in either of its signatures, or
 flash-attn's through transformers' integration), else the fallback: the queries, keys and values gathered into
 (sequences, max_length) by indices the layout built once, SDPA under the layout's mask, and the rows gathered back.
+
+The collator can also pack the pairs into rows of whole sentences, (rows, row_length) with offsets over all their
+tokens: without a kernel each row then runs as a padded batch's row under a mask that keeps each sentence to
+itself (no gathers: a padded step's kernel launches), with one as a single stream.
 """
 
 import inspect
@@ -268,9 +272,11 @@ def packed_attention(
     layout: AttentionLayout,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Attention within each sequence of a flattened batch: query (1, heads, tokens, head_dim), key and value
-    (1, kv_heads, tokens, head_dim) -> (1, tokens, heads, head_dim), and the weights where eager attention ran.
-    Causal for a module with `is_causal` (each sequence aligned at its start, as §3.2.3's mask)."""
+    """Attention within each sequence of a flattened batch: query (rows, heads, row_length, head_dim), key and value
+    (rows, kv_heads, row_length, head_dim) -> (rows, row_length, heads, head_dim), and the weights where eager
+    attention ran; one row of every token, or, for a kernel, packed rows too (without one, packed rows run as a
+    padded batch under the layout's mask). Causal for a module with `is_causal` (each sequence aligned at its
+    start, as §3.2.3's mask)."""
     if layout.kernel == "torch":
         return torch_varlen_attention(module, query, key, value, layout, scaling), None
     if layout.kernel == "flash_attn":

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The one prepared command for a lent GPU machine (../shared/tools/gpu/README.md): gpu_benchmark.py with its JSON and
-# log under $OUT. Its default sections take about 4 minutes on one H100, compiles included; it is cut off at LIMIT
+# log under $OUT. Its default sections should take about 4 minutes on one H100, compiles included (an estimate from
+# the last H100 run's compile times, not yet measured); it is cut off at LIMIT
 # seconds (default 330) so that a 10-minute device command, or a rerun within the session's device time, still fits.
 # The benchmark rewrites its JSON after every section, so a run cut short still brings back what it measured.
 #

@@ -100,8 +100,10 @@ def op_count_case() -> tuple[VanillaTransformerForConditionalGeneration, MarianM
 
 
 def per_sequence_attention(query, key, value, cu_seq_q, cu_seq_k, scale: float, causal: bool) -> torch.Tensor:
-    """Attention one sequence at a time on (tokens, heads, head_dim) layouts, SDPA on each slice."""
+    """Attention one sequence at a time on (tokens, heads, head_dim) layouts, SDPA on each slice; K/V heads shared by
+    groups of query heads."""
     outputs = []
+    key, value = (x.repeat_interleave(query.shape[1] // key.shape[1], dim=1) for x in (key, value))
     for start, end, key_start, key_end in zip(cu_seq_q.tolist(), cu_seq_q[1:].tolist(), cu_seq_k, cu_seq_k[1:]):
         q, k, v = (x.transpose(0, 1) for x in (query[start:end], key[key_start:key_end], value[key_start:key_end]))
         if key_end == key_start:  # queries without keys (a row's padding against an empty one): zeros, as flash

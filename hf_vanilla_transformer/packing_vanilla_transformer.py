@@ -280,7 +280,7 @@ def packed_attention(
     if layout.kernel == "torch":
         return torch_varlen_attention(module, query, key, value, layout, scaling), None
     if layout.kernel == "flash_attn":
-        return flash_attn_attention(module, query, key, value, layout, scaling, dropout, **kwargs), None
+        return flash_attn_attention(module, query, key, value, layout, scaling, dropout), None
     return fallback_attention(module, query, key, value, layout, scaling, dropout)
 
 
@@ -306,7 +306,7 @@ def torch_varlen_attention(module, query, key, value, layout: AttentionLayout, s
     return output.unflatten(0, (rows, row_length))
 
 
-def flash_attn_attention(module, query, key, value, layout: AttentionLayout, scaling: float, dropout: float, **kwargs):
+def flash_attn_attention(module, query, key, value, layout: AttentionLayout, scaling: float, dropout: float):
     """flash-attn's variable-length kernel through transformers' integration (it has attention dropout)."""
     from transformers.modeling_flash_attention_utils import _flash_attention_forward
 

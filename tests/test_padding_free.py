@@ -13,7 +13,6 @@ from unittest import mock
 
 import pytest
 import torch
-import torch.nn.functional as F
 from conftest import tiny_config
 from test_accelerator_path import SyncCounter
 from transformers import DataCollatorWithFlattening
@@ -31,7 +30,7 @@ from hf_vanilla_transformer import packing_vanilla_transformer as packing
 from hf_vanilla_transformer.packing_vanilla_transformer import Sequences, packed_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from aten_op_counts import OpNames, varlen_kernel_stand_in  # noqa: E402  (the benchmark's counter, kernel)
+from aten_op_counts import OpNames, per_sequence_attention, varlen_kernel_stand_in  # noqa: E402
 
 VARIANTS = {
     "paper": {},
@@ -254,19 +253,6 @@ def test_pooling_heads_refuse_a_flattened_batch(model_class):
         model(**flattened)
 
 
-def reference_attention(query, key, value, queries, keys, causal, scale):
-    """Attention one sequence at a time, torch's SDPA on each slice: (tokens, heads, head_dim) layouts."""
-    outputs = []
-    q_offsets, k_offsets = queries.tolist(), keys.tolist()
-    for index in range(len(q_offsets) - 1):
-        q = query[q_offsets[index] : q_offsets[index + 1]].transpose(0, 1)
-        k = key[k_offsets[index] : k_offsets[index + 1]].transpose(0, 1)
-        v = value[k_offsets[index] : k_offsets[index + 1]].transpose(0, 1)
-        k, v = (x.repeat_interleave(q.shape[0] // k.shape[0], dim=0) for x in (k, v))
-        outputs.append(F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale).transpose(0, 1))
-    return torch.cat(outputs)
-
-
 QUERY_OFFSETS, CROSS_KEY_OFFSETS = [0, 4, 5, 11], [0, 2, 9, 12]
 
 
@@ -319,7 +305,7 @@ def test_packed_attention_equals_attention_per_sequence(kind, implementation, em
     layout = layout_of(queries, keys, kind == "causal self", kernel=None)
     inputs = [tensor.requires_grad_() for tensor in heads_first(query, key, value)]
     output, _ = packed_attention(module, *inputs, None, scaling=0.3, layout=layout)
-    expected = reference_attention(query, key, value, queries, keys, kind == "causal self", 0.3)
+    expected = per_sequence_attention(query, key, value, queries, keys, 0.3, kind == "causal self")
     torch.testing.assert_close(output[0], expected, rtol=1e-5, atol=1e-6)
     output.sum().backward()
     assert all(tensor.grad.isfinite().all() for tensor in inputs)
@@ -332,14 +318,14 @@ def varlen_attn_reference(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *
     assert query.dim() == 3 and cu_seq_q.dtype == torch.int32 and window_size in ((-1, 0), (-1, -1))
     assert max_q == int((cu_seq_q[1:] - cu_seq_q[:-1]).max()) and max_k == int((cu_seq_k[1:] - cu_seq_k[:-1]).max())
     assert enable_gqa == (key.shape[1] != query.shape[1])
-    return reference_attention(query, key, value, cu_seq_q, cu_seq_k, window_size == (-1, 0), scale)
+    return per_sequence_attention(query, key, value, cu_seq_q, cu_seq_k, scale, window_size == (-1, 0))
 
 
 def varlen_attn_reference_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
     """torch 2.9-2.11's `varlen_attn`: the default 1/sqrt(head_dim) scale, one K/V head per query head."""
     assert query.dim() == 3 and cu_seq_q.dtype == torch.int32 and return_aux is None
     assert key.shape[1] == query.shape[1], "this signature has no grouped-query attention"
-    return reference_attention(query, key, value, cu_seq_q, cu_seq_k, is_causal, query.shape[-1] ** -0.5)
+    return per_sequence_attention(query, key, value, cu_seq_q, cu_seq_k, query.shape[-1] ** -0.5, is_causal)
 
 
 def flash_attention_reference(query, key, value, attention_mask, query_length, is_causal, dropout, softmax_scale,
@@ -349,7 +335,7 @@ def flash_attention_reference(query, key, value, attention_mask, query_length, i
     heads, head_dim) inputs, K/V heads shared by groups, the output in the same layout."""
     assert attention_mask is None and attn_implementation == "flash_attention_2" and dropout == 0.0
     assert query_length == query.shape[1] and max_length_q == int((cu_seq_lens_q[1:] - cu_seq_lens_q[:-1]).max())
-    output = reference_attention(query[0], key[0], value[0], cu_seq_lens_q, cu_seq_lens_k, is_causal, softmax_scale)
+    output = per_sequence_attention(query[0], key[0], value[0], cu_seq_lens_q, cu_seq_lens_k, softmax_scale, is_causal)
     return output[None]
 
 

@@ -18,21 +18,21 @@ from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple
 
 from .configuration_vanilla_transformer import VanillaTransformerConfig
-from .dropout_vanilla_transformer import Dropout
 from .inputs_vanilla_transformer import (
     IGNORE_INDEX,
     check_labels,
     check_sequence_classification_labels,
+    check_stack_inputs,
     current_tokens,
     labels_outside,
 )
 from .modeling_vanilla_transformer import (
+    Dropout,
+    MoeEncoderOutput,
     VanillaTransformerDecoder,
     VanillaTransformerEncoder,
     VanillaTransformerPreTrainedModel,
 )
-from .moe_vanilla_transformer import MoeEncoderOutput
-from .packing_vanilla_transformer import check_flattened_batch
 from .router_losses_vanilla_transformer import RouterLosses, RouterRequest, with_router_gradient, with_router_value
 
 
@@ -102,7 +102,7 @@ class SingleStackTaskHead(VanillaTransformerPreTrainedModel):
                 f"{type(self).__name__} has one output per sequence and cannot take a flattened batch "
                 "(cu_seq_lens_q/k): pass the sequences padded, with an attention_mask."
             )
-        check_flattened_batch(kwargs, input_ids if input_ids is not None else inputs_embeds)
+        check_stack_inputs(self.config, input_ids, inputs_embeds, attention_mask, None, True, kwargs)
         router = RouterRequest.of(self.config, labels, output_router_logits) if self.config.num_experts else None
         if self.config.is_decoder:
             # One pass over the whole input, no cache to fill; positions restart at each row's first token.
@@ -113,6 +113,7 @@ class SingleStackTaskHead(VanillaTransformerPreTrainedModel):
             attention_mask=attention_mask,
             inputs_embeds=inputs_embeds,
             output_router_logits=router is not None and router.compute,
+            check_inputs=False,
             **kwargs,
         )
         if router is None:
@@ -218,7 +219,7 @@ class VanillaTransformerForTokenClassification(ClassifierHead):
     def classification_loss(self, logits: torch.Tensor, labels: torch.Tensor | None, **kwargs) -> torch.Tensor | None:
         if labels is None:
             return None
-        check_labels(labels, logits.shape[:2], self.config.num_labels)
+        check_labels(labels, logits.shape[:2])
         with labels_outside(self.config.num_labels):
             return self.loss_function(logits, labels, self.config, **with_item_count(kwargs, labels))
 

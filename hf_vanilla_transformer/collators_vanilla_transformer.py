@@ -14,7 +14,7 @@ from transformers.utils import logging
 
 from .configuration_vanilla_transformer import VanillaTransformerConfig
 from .inputs_vanilla_transformer import IGNORE_INDEX
-from .packing_vanilla_transformer import varlen_kernel_runs
+from .packing_vanilla_transformer import varlen_kernel
 
 logger = logging.get_logger(__name__)
 
@@ -225,8 +225,9 @@ def layout_choice(model, device: torch.device | str, half_precision: bool) -> tu
         return "flattened", "on the CPU it skips the padding in every position-wise layer, which is the larger cost"
     dtype = torch.bfloat16 if half_precision else torch.float32
     dropout = model.config.attention_dropout
-    if varlen_kernel_runs(device, dtype, dropout):
-        return "flattened", f"a variable-length attention kernel runs on {device.type} in {dtype}"
+    kernel = varlen_kernel(model.config._attn_implementation, device, dtype, dropout)
+    if kernel is not None:
+        return "flattened", f"a variable-length attention kernel ({kernel}) runs on {device.type} in {dtype}"
     return "padded", (
         f"no variable-length attention kernel runs on {device.type} in {dtype} with attention dropout {dropout}, "
         "and the flattened layout's fallback launches more kernels than padded attention"
@@ -236,7 +237,8 @@ def layout_choice(model, device: torch.device | str, half_precision: bool) -> tu
 def preferred_layout(model, device: torch.device | str, half_precision: bool) -> Layout:
     """The layout of a training run's batches that is not slower than the other one on `device`: "flattened" on the
     CPU (it skips the padding in every position-wise layer, the bulk of the work there) and where a variable-length
-    attention kernel runs (CUDA, in half precision, without attention dropout: `varlen_kernel_runs`); "padded"
+    attention kernel runs (`varlen_kernel`, which the model asks too: transformers' flash integration, or CUDA in
+    half precision without attention dropout); "padded"
     elsewhere (a GPU's step is bound by kernel launches, and the flattened layout's attention fallback launches
     more) and for models other than this package's. Decided once per run, not per batch."""
     return layout_choice(model, device, half_precision)[0]

@@ -41,7 +41,7 @@ from .language_modeling_vanilla_transformer import (
     VanillaTransformerForCausalLM,
     VanillaTransformerForConditionalGeneration,
 )
-from .positions_vanilla_transformer import sinusoidal_position_encoding
+from .modeling_vanilla_transformer import sinusoidal_position_encoding
 
 INSTALL_HINT = "pip install hf_vanilla_transformer[ctranslate2]"
 

@@ -22,10 +22,13 @@ from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple
 
 from .configuration_vanilla_transformer import VanillaTransformerConfig
-from .dropout_vanilla_transformer import Dropout
 from .inputs_vanilla_transformer import check_sequence_classification_labels, labels_outside
-from .modeling_vanilla_transformer import VanillaTransformerEncoder, VanillaTransformerPreTrainedModel
-from .moe_vanilla_transformer import MoeEncoderOutput
+from .modeling_vanilla_transformer import (
+    Dropout,
+    MoeEncoderOutput,
+    VanillaTransformerEncoder,
+    VanillaTransformerPreTrainedModel,
+)
 from .router_losses_vanilla_transformer import RouterRequest, with_router_gradient, with_router_value
 
 

@@ -1,35 +1,26 @@
-"""Checks of the tensors a model is called with, run once where a head or stack receives them.
+"""Checks of the tensors a model is called with, run in one call where a head, the base model or a stack run alone
+receives them (the stacks trust what they are given).
 
 Each check raises a `TypeError` (wrong kind of tensor) or `ValueError` (wrong shape or value) naming the argument,
 what it got and what it expects, before a torch op fails deep inside the model with a message about its internals or,
 worse, silently computes something else (a (batch, length, length) mask that would be ignored, a mask using -1 for
-padding). Shapes and dtypes are known on the host. Values are checked with `require`, which never waits for the
-device (see there); under torch.compile value checks are left out of the graph.
+padding, offsets that attend across sequences). Shapes and dtypes are known on the host. Values are checked with
+`require`, which never waits for the device (see there); under torch.compile value checks are left out of the graph.
 """
 
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from transformers.utils import is_torchdynamo_compiling
 
 IGNORE_INDEX = -100  # transformers' label for "no loss here"
 
-Shape = tuple[int, ...]
+# `skip_logits=True` leaves the loss as the only output.
+SKIP_LOGITS_WITHOUT_LABELS = "skip_logits=True returns the loss without logits, so it needs labels: pass labels too."
 
-
-def _require_tensor(value: object, name: str) -> None:
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}.")
-
-
-def _require_integer_dtype(tensor: torch.Tensor, name: str, what: str) -> None:
-    if tensor.dtype == torch.bool or tensor.is_floating_point() or tensor.is_complex():
-        raise TypeError(f"{name} must hold integer {what} (torch.long), got dtype {tensor.dtype}.")
-
-
-def _require_shape(tensor: torch.Tensor, expected: Shape, name: str, meaning: str) -> None:
-    if tuple(tensor.shape) != tuple(expected):
-        raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected {meaning} = {tuple(expected)}.")
+# The keywords of a flattened batch (cu_seq_lens_q is the target's or a single stack's, _k the source's).
+FLATTENED_KEYWORDS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
 
 def require(condition: torch.Tensor, message: str) -> None:
@@ -44,6 +35,22 @@ def require(condition: torch.Tensor, message: str) -> None:
         raise ValueError(message) from None
 
 
+@contextmanager
+def raises_value_error(error_type: type[Exception], message: str):
+    """Replace an `error_type` raised inside by a ValueError with `message`: for the checks a kernel makes anyway, a
+    loss's of its targets, whose CPU errors name no argument (on an accelerator they assert on the device). Free:
+    nothing runs unless it failed."""
+    try:
+        yield
+    except error_type as error:
+        raise ValueError(f"{message}: {error}") from None
+
+
+def labels_outside(num_classes: int, name: str = "labels"):
+    """The context a loss over class ids runs in: an id outside [0, num_classes) (and not -100) is a ValueError."""
+    return raises_value_error(IndexError, f"{name} must hold ids in [0, {num_classes}) or {IGNORE_INDEX} (ignored)")
+
+
 def current_tokens(attention_mask: torch.Tensor | None, length: int) -> torch.Tensor | None:
     """The tokens among the last `length` columns of a 2D padding mask, (batch, length) bool: the positions of this
     forward (the mask of a decoding step also covers the cache). None for no mask or a 4D one, which says nothing
@@ -53,185 +60,211 @@ def current_tokens(attention_mask: torch.Tensor | None, length: int) -> torch.Te
     return attention_mask[:, -length:].bool()
 
 
-@contextmanager
-def raises_value_error(error_type: type[Exception], message: str):
-    """Replace an `error_type` raised inside by a ValueError with `message`: for the checks a kernel makes anyway, an
-    embedding's of its ids and a loss's of its targets, whose CPU errors name no argument (on an accelerator they
-    assert on the device). Free: nothing runs unless it failed."""
-    try:
-        yield
-    except error_type as error:
-        raise ValueError(f"{message}: {error}") from None
+# ---------------------------------------------------------------------------------------------- one tensor
 
 
-def check_token_ids(input_ids: torch.Tensor, name: str = "input_ids") -> None:
-    """Token ids: an integer (batch, length) tensor with at least one sequence of at least one token. (The embedding
-    checks that they are inside the vocabulary.)"""
-    _require_tensor(input_ids, name)
-    _require_integer_dtype(input_ids, name, "token ids")
+def check_token_ids(input_ids: Any, name: str = "input_ids", shape: tuple[int, int] | None = None) -> None:
+    """Token ids (or token labels): an integer (batch, length) tensor with at least one sequence of at least one
+    token, of `shape` where given (labels: the shape of the outputs they score). The embedding checks that ids are
+    inside the vocabulary, the loss that labels are."""
+    if not isinstance(input_ids, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(input_ids).__name__}.")
+    if input_ids.dtype == torch.bool or input_ids.is_floating_point() or input_ids.is_complex():
+        raise TypeError(f"{name} must hold integer token ids (torch.long), got dtype {input_ids.dtype}.")
     if input_ids.dim() != 2:
         raise ValueError(
             f"{name} must be 2-D (batch, length), got shape {tuple(input_ids.shape)}"
             + (": add a batch dimension, e.g. input_ids[None]." if input_ids.dim() == 1 else ".")
         )
-    check_not_empty(input_ids.shape, name)
+    if input_ids.numel() == 0:
+        raise ValueError(f"{name} has shape {tuple(input_ids.shape)}; expected at least one sequence of one token.")
+    if shape is not None and input_ids.shape != shape:
+        raise ValueError(
+            f"{name} has shape {tuple(input_ids.shape)}, expected the shape of the outputs they score = {tuple(shape)}."
+        )
 
 
-def check_inputs_embeds(inputs_embeds: torch.Tensor, d_model: int, name: str = "inputs_embeds") -> None:
+def check_inputs_embeds(inputs_embeds: Any, d_model: int, name: str = "inputs_embeds") -> None:
     """Embedded inputs (or encoder states): a floating (batch, length, d_model) tensor, not empty."""
-    _require_tensor(inputs_embeds, name)
+    if not isinstance(inputs_embeds, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(inputs_embeds).__name__}.")
     if not inputs_embeds.is_floating_point():
         raise TypeError(f"{name} must be a floating-point tensor, got dtype {inputs_embeds.dtype}.")
     if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != d_model:
         raise ValueError(f"{name} has shape {tuple(inputs_embeds.shape)}, expected (batch, length, d_model={d_model}).")
-    check_not_empty(inputs_embeds.shape[:2], name)
+    if inputs_embeds.numel() == 0:
+        raise ValueError(f"{name} has shape {tuple(inputs_embeds.shape)}; expected at least one sequence of one token.")
 
 
-def check_not_empty(batch_and_length: Shape, name: str) -> None:
-    batch_size, length = batch_and_length[:2]
-    if batch_size == 0 or length == 0:
-        raise ValueError(
-            f"{name} has batch size {batch_size} and length {length}; expected at least one sequence of at least "
-            "one token."
-        )
-
-
-def checked_attention_mask(
-    mask: torch.Tensor | None,
-    batch_size: int,
-    query_length: int,
-    key_length: int | None,
-    name: str,
-    check_values: bool = True,
-) -> torch.Tensor | None:
-    """The mask, checked: a padding mask (batch, key_length) of 0/1 or bool (1 = token, 0 = padding), returned as bool
-    (what transformers' mask functions convert it to), or a 4-D mask the caller built, (batch or 1, heads or 1,
-    query_length, key_length), bool or additive float, returned as given. `key_length` is None where the keys are a
-    static cache's, whose masks span the whole cache; `check_values=False` where the mask's values were checked
-    already. Any other rank is refused: transformers' mask functions would ignore a (batch, length, length) mask,
-    and a 1-D one has no batch."""
+def check_attention_mask(
+    mask: Any, batch_size: int, query_length: int, key_length: int | None, name: str, check_values: bool = True
+) -> None:
+    """A padding mask (batch, key_length) of 0/1 or bool (1 = token, 0 = padding), or a 4-D mask the caller built,
+    (batch or 1, heads or 1, query_length, key_length), bool or additive float. `key_length` is None where the keys
+    are a static cache's, whose masks span the whole cache. Any other rank is refused: transformers' mask functions
+    would ignore a (batch, length, length) mask, and a 1-D one has no batch."""
     if mask is None:
-        return None
-    _require_tensor(mask, name)
+        return
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(mask).__name__}.")
     if mask.dim() == 2:
         if mask.shape[0] != batch_size or key_length not in (None, mask.shape[1]):
             expected = (batch_size, key_length)
             raise ValueError(f"{name} has shape {tuple(mask.shape)}, expected (batch, length) = {expected}.")
-        token_mask = mask.bool()
         if check_values and mask.dtype != torch.bool:
-            require(mask.eq(token_mask).all(), f"{name} must hold 1 for tokens and 0 for padding (or be bool).")
-        return token_mask
-    if mask.dim() == 4:
+            require(mask.eq(mask.bool()).all(), f"{name} must hold 1 for tokens and 0 for padding (or be bool).")
+    elif mask.dim() == 4:
         batch, _, rows, columns = mask.shape
         if batch not in (1, batch_size) or rows != query_length or key_length not in (None, columns):
             raise ValueError(
                 f"{name} has shape {tuple(mask.shape)}, expected a 4-D mask (batch={batch_size} or 1, heads or 1, "
                 f"query_length={query_length}, key_length={key_length})."
             )
-        return mask
-    raise ValueError(
-        f"{name} has shape {tuple(mask.shape)}: expected a (batch, length) padding mask of 0/1, or a 4-D "
-        "(batch, 1, query_length, key_length) mask; a 3-D (batch, length, length) mask is not supported "
-        "(add the head dimension: mask[:, None])."
+    else:
+        raise ValueError(
+            f"{name} has shape {tuple(mask.shape)}: expected a (batch, length) padding mask of 0/1, or a 4-D "
+            "(batch, 1, query_length, key_length) mask; a 3-D (batch, length, length) mask is not supported "
+            "(add the head dimension: mask[:, None])."
+        )
+
+
+def check_offsets(cu_seq_lens: Any, max_length: Any, shape: tuple[int, int], side: str) -> None:
+    """The offsets of one side of a flattened batch. Offsets that would attend across sequences or index past the
+    tokens are refused: int32 (what the kernels take), 1-D, from 0, not decreasing, ending at the token count,
+    `max_length` at least the longest sequence, and in a (rows, row_length) `shape` of several rows, no sequence
+    across two rows. Values are checked without a host sync (`require`)."""
+    name, length_name = f"cu_seq_lens_{side}", f"max_length_{side}"
+    if not isinstance(cu_seq_lens, torch.Tensor) or cu_seq_lens.dtype != torch.int32 or cu_seq_lens.dim() != 1:
+        tensor = isinstance(cu_seq_lens, torch.Tensor)
+        got = f"{cu_seq_lens.dtype} of shape {tuple(cu_seq_lens.shape)}" if tensor else type(cu_seq_lens).__name__
+        raise ValueError(f"{name} must be a 1-D torch.int32 tensor of sequence offsets, got {got}.")
+    if cu_seq_lens.shape[0] < 2:
+        raise ValueError(f"{name} must hold at least two offsets (0 and the token count), got {cu_seq_lens.shape[0]}.")
+    if isinstance(max_length, torch.Tensor) and max_length.device.type == "cpu" and max_length.numel() == 1:
+        max_length = int(max_length)  # a collator's 0-dim tensor: on the CPU, so no sync
+    if not isinstance(max_length, int) or isinstance(max_length, bool):
+        raise ValueError(f"{name} needs {length_name}, the longest sequence's length as an int, got {max_length!r}.")
+    # One check, one device-side assert: each condition is a kernel launch on an accelerator.
+    rows, row_length = shape
+    lengths = cu_seq_lens[1:] - cu_seq_lens[:-1]
+    conditions = [cu_seq_lens[:1] == 0, cu_seq_lens[-1:] == rows * row_length, lengths >= 0, lengths <= max_length]
+    across_rows = ""
+    if rows > 1:
+        # no sequence across a row's end: every row starts one (offsets rise, so this is the same thing)
+        row_starts = torch.arange(0, rows * row_length, row_length, device=cu_seq_lens.device, dtype=torch.int32)
+        conditions.append(torch.isin(row_starts, cu_seq_lens))
+        across_rows = f", and none across two of the {rows} rows of {row_length} tokens"
+    require(
+        torch.cat(conditions).all(),
+        f"{name} must rise from 0 to the token count ({rows * row_length}) without decreasing, its sequences no "
+        f"longer than {length_name}={max_length}{across_rows}.",
     )
 
 
-def check_position_ids(position_ids: torch.Tensor | None, batch_size: int, length: int) -> None:
-    """Positions: integer, (batch or 1, length) or (length,), and not negative."""
-    if position_ids is None:
-        return
-    _require_tensor(position_ids, "position_ids")
-    _require_integer_dtype(position_ids, "position_ids", "positions")
-    if (
-        position_ids.shape[-1:] != (length,)
-        or position_ids.dim() > 2
-        or (position_ids.dim() == 2 and position_ids.shape[0] not in (1, batch_size))
-    ):
-        raise ValueError(
-            f"position_ids has shape {tuple(position_ids.shape)}, expected (batch={batch_size} or 1, length={length})."
-        )
-    require((position_ids >= 0).all(), "position_ids must be >= 0.")
-
-
-def check_labels(labels: torch.Tensor | None, expected_shape: Shape, num_classes: int, name: str = "labels") -> None:
-    """Class labels: integer, of `expected_shape`. Their values, each in [0, num_classes) or -100 (ignored), are
-    checked by the loss (see `raises_value_error`)."""
-    if labels is None:
-        return
-    _require_tensor(labels, name)
-    _require_integer_dtype(labels, name, "class ids (-100 where ignored)")
-    _require_shape(labels, expected_shape, name, "the shape of the outputs they score")
-
-
-def labels_outside(num_classes: int, name: str = "labels"):
-    """The context a loss over class ids runs in: an id outside [0, num_classes) (and not -100) is a ValueError."""
-    return raises_value_error(IndexError, f"{name} must hold ids in [0, {num_classes}) or {IGNORE_INDEX} (ignored)")
-
-
-def check_same_batch(name: str, batch_size: int, other_name: str, other_batch_size: int) -> None:
-    if batch_size != other_batch_size:
-        raise ValueError(
-            f"{name} has batch size {batch_size} but {other_name} has {other_batch_size}; they must be equal."
-        )
-
-
-def check_sequence_classification_labels(
-    labels: torch.Tensor | None, batch_size: int, num_labels: int, problem_type: str | None
-) -> None:
-    """Labels of a sequence classifier, for the problem type transformers' loss will infer when `problem_type` is
-    None (one label: regression; integer labels: single-label; else multi-label): class ids (batch,) in
-    [0, num_labels), -100 ignored; multi-label targets (batch, num_labels); regression targets (batch,) or
-    (batch, num_labels)."""
-    if labels is None:
-        return
-    _require_tensor(labels, "labels")
-    if problem_type is None:
-        is_class_id = labels.dtype in (torch.long, torch.int)
-        problem_type = "regression" if num_labels == 1 else "single_label_classification" if is_class_id else None
-        problem_type = problem_type or "multi_label_classification"
-    if problem_type == "single_label_classification":
-        check_labels(labels, (batch_size,), num_labels)
-        return
-    if not labels.is_floating_point():
-        raise TypeError(f"labels for problem_type={problem_type!r} must be floating point, got dtype {labels.dtype}.")
-    # transformers' regression loss squeezes one-label logits and targets: (batch,) and (batch, 1) both fit.
-    allowed = [(batch_size, num_labels)] + ([(batch_size,)] if problem_type == "regression" and num_labels == 1 else [])
-    if tuple(labels.shape) not in allowed:
-        raise ValueError(
-            f"labels for problem_type={problem_type!r} have shape {tuple(labels.shape)}, expected one of {allowed}."
-        )
-
-
-def check_token_labels(
-    labels: torch.Tensor | None, vocab_size: int, aligned_with: torch.Tensor | None, aligned_name: str
-) -> None:
-    """Token labels: (batch, length) like `aligned_with` (the ids or embeddings whose outputs they score; None when
-    the labels themselves become the inputs), each in [0, vocab_size) or -100."""
-    if labels is None:
-        return
-    _require_tensor(labels, "labels")
-    if labels.dim() != 2:
-        raise ValueError(f"labels must be 2-D (batch, length), got shape {tuple(labels.shape)}.")
-    expected = labels.shape if aligned_with is None else aligned_with.shape[:2]
-    check_not_empty(labels.shape, "labels")
-    check_labels(labels, expected, vocab_size, f"labels (aligned with {aligned_name})")
-
-
-def check_skip_logits(skip_logits: bool, labels: torch.Tensor | None) -> None:
-    """`skip_logits=True` leaves the loss as the only output, so it needs labels."""
-    if skip_logits and labels is None:
-        raise ValueError("skip_logits=True returns the loss without logits, so it needs labels: pass labels too.")
+# ---------------------------------------------------------------------------------------------- entry points
 
 
 def check_stack_inputs(
-    input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None, d_model: int, prefix: str = ""
+    config,
+    input_ids: torch.Tensor | None,
+    inputs_embeds: torch.Tensor | None,
+    attention_mask: torch.Tensor | None,
+    position_ids: torch.Tensor | None = None,
+    key_length: int | None | bool = True,
+    offsets: dict | None = None,
+    prefix: str = "",
+    labels: torch.Tensor | None = None,
 ) -> None:
-    """The one input of a stack: token ids, or embeddings of width d_model (`prefix`: "decoder_" for the target
-    side of an encoder-decoder, as the caller names them)."""
+    """Everything one stack reads: exactly one of its ids or embeddings, its positions, its mask (over `key_length`
+    keys: True for as many as the inputs, None for a static cache's), and, run alone on a flattened batch, the
+    offsets in `offsets` (a stack's "q" side; transformers' collator gives "k" too, equal), and a language-model
+    head's token `labels`, aligned with the inputs. `prefix`: "decoder_" for the target side of an encoder-decoder,
+    as the caller names its inputs."""
+    if (input_ids is None) == (inputs_embeds is None):
+        raise ValueError(f"Pass exactly one of {prefix}input_ids or {prefix}inputs_embeds.")
     if input_ids is not None:
         check_token_ids(input_ids, f"{prefix}input_ids")
     else:
-        check_inputs_embeds(inputs_embeds, d_model, f"{prefix}inputs_embeds")
+        check_inputs_embeds(inputs_embeds, config.d_model, f"{prefix}inputs_embeds")
+    batch_size, length = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
+    if position_ids is not None:
+        check_token_ids(position_ids if position_ids.dim() == 2 else position_ids[None], "position_ids")
+        if position_ids.shape[-1] != length or position_ids.dim() == 2 and position_ids.shape[0] not in (1, batch_size):
+            raise ValueError(
+                f"position_ids has shape {tuple(position_ids.shape)}, expected (batch={batch_size} or 1, "
+                f"length={length})."
+            )
+        require((position_ids >= 0).all(), "position_ids must be >= 0.")
+    key_length = length if key_length is True else key_length
+    check_attention_mask(attention_mask, batch_size, length, key_length, f"{prefix}attention_mask")
+    if labels is not None:
+        check_token_ids(labels, f"labels (aligned with {prefix}input_ids)", (batch_size, length))
+    for side in ("q", "k") if offsets and offsets.get("cu_seq_lens_q") is not None else ():
+        check_offsets(offsets.get(f"cu_seq_lens_{side}"), offsets.get(f"max_length_{side}"), (batch_size, length), side)
+
+
+def check_seq2seq_inputs(
+    config,
+    input_ids: torch.Tensor | None,
+    attention_mask: torch.Tensor | None,
+    inputs_embeds: torch.Tensor | None,
+    encoder_outputs: Any,
+    decoder_input_ids: torch.Tensor | None,
+    decoder_attention_mask: torch.Tensor | None,
+    decoder_inputs_embeds: torch.Tensor | None,
+    past_key_values: Any = None,
+    labels: torch.Tensor | None = None,
+    kwargs: dict | None = None,
+    skip_logits: bool = False,
+) -> None:
+    """Everything an encoder-decoder reads, in one call: the source (or the given encoder output and the mask over
+    it), the target (absent where the labels will be shifted into it), the labels aligned with the target (needed
+    with `skip_logits`), and a flattened batch's offsets (`kwargs`, which also carry the position ids)."""
+    kwargs = kwargs or {}
+    if encoder_outputs is None:
+        check_stack_inputs(config, input_ids, inputs_embeds, attention_mask, kwargs.get("position_ids"))
+        source = input_ids if input_ids is not None else inputs_embeds
+    else:  # generate passes the encoder output at every step; the mask over it is checked against its shape
+        source = encoder_outputs[0]
+        check_inputs_embeds(source, config.d_model, "encoder_outputs.last_hidden_state")
+        check_attention_mask(attention_mask, source.shape[0], 1, source.shape[1], "attention_mask")
+    target = decoder_input_ids if decoder_input_ids is not None else decoder_inputs_embeds
+    if target is not None:
+        static = getattr(past_key_values, "is_compileable", False)  # a static cache's masks span the whole cache
+        past_length = 0 if past_key_values is None else past_key_values.get_seq_length()
+        key_length = None if static else past_length + target.shape[1]
+        positions = kwargs.get("decoder_position_ids")
+        mask = decoder_attention_mask
+        check_stack_inputs(config, decoder_input_ids, decoder_inputs_embeds, mask, positions, key_length, None, "decoder_")
+    if skip_logits and labels is None:
+        raise ValueError(SKIP_LOGITS_WITHOUT_LABELS)
+    if labels is not None:
+        check_token_ids(labels, "labels (aligned with decoder_input_ids)", None if target is None else target.shape[:2])
+    target = target if target is not None else labels
+    if target is not None and target.shape[0] != source.shape[0]:
+        raise ValueError(
+            f"decoder_input_ids (or labels) has batch size {target.shape[0]} but the source has {source.shape[0]}: "
+            "they must be equal (a batch of packed rows has as many source rows as target rows)."
+        )
+    if kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None:
+        check_seq2seq_offsets(kwargs, target, source)
+
+
+def check_seq2seq_offsets(kwargs: dict, target: torch.Tensor, source: torch.Tensor) -> None:
+    """A flattened encoder-decoder batch: the target's offsets ("q") and the source's ("k") come together, each
+    checked against its side's tokens, and pair each target sequence with one source sequence."""
+    for side, tokens in (("q", target), ("k", source)):
+        if kwargs.get(f"cu_seq_lens_{side}") is None:
+            raise ValueError(
+                "A flattened batch flattens the source and the target: cu_seq_lens_q and cu_seq_lens_k come together."
+            )
+        check_offsets(kwargs[f"cu_seq_lens_{side}"], kwargs.get(f"max_length_{side}"), tuple(tokens.shape[:2]), side)
+    targets, sources = kwargs["cu_seq_lens_q"].shape[0] - 1, kwargs["cu_seq_lens_k"].shape[0] - 1
+    if targets != sources:
+        raise ValueError(
+            f"cu_seq_lens_q has {targets} sequences and cu_seq_lens_k {sources}: cross-attention pairs each target "
+            "sequence with one source sequence."
+        )
 
 
 def check_can_shift_labels(pad_token_id: int | None, decoder_start_token_id: int | None) -> None:
@@ -245,21 +278,68 @@ def check_can_shift_labels(pad_token_id: int | None, decoder_start_token_id: int
             )
 
 
+# ---------------------------------------------------------------------------------------------- classifiers
+
+
+def check_labels(labels: torch.Tensor | None, expected_shape: tuple[int, ...], name: str = "labels") -> None:
+    """Class labels: integer, of `expected_shape`. Their values, each in [0, num_classes) or -100 (ignored), are
+    checked by the loss (`labels_outside`)."""
+    if labels is None:
+        return
+    if not isinstance(labels, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(labels).__name__}.")
+    if labels.dtype == torch.bool or labels.is_floating_point() or labels.is_complex():
+        raise TypeError(f"{name} must hold integer class ids (-100 where ignored) (torch.long), got {labels.dtype}.")
+    if tuple(labels.shape) != tuple(expected_shape):
+        raise ValueError(
+            f"{name} has shape {tuple(labels.shape)}, expected the shape of the outputs they score = "
+            f"{tuple(expected_shape)}."
+        )
+
+
+def check_sequence_classification_labels(
+    labels: torch.Tensor | None, batch_size: int, num_labels: int, problem_type: str | None
+) -> None:
+    """Labels of a sequence classifier, for the problem type transformers' loss will infer when `problem_type` is
+    None (one label: regression; integer labels: single-label; else multi-label): class ids (batch,) in
+    [0, num_labels), -100 ignored; multi-label targets (batch, num_labels); regression targets (batch,) or
+    (batch, num_labels)."""
+    if labels is None:
+        return
+    if not isinstance(labels, torch.Tensor):
+        raise TypeError(f"labels must be a torch.Tensor, got {type(labels).__name__}.")
+    if problem_type is None:
+        is_class_id = labels.dtype in (torch.long, torch.int)
+        problem_type = "regression" if num_labels == 1 else "single_label_classification" if is_class_id else None
+        problem_type = problem_type or "multi_label_classification"
+    if problem_type == "single_label_classification":
+        check_labels(labels, (batch_size,))
+        return
+    if not labels.is_floating_point():
+        raise TypeError(f"labels for problem_type={problem_type!r} must be floating point, got dtype {labels.dtype}.")
+    # transformers' regression loss squeezes one-label logits and targets: (batch,) and (batch, 1) both fit.
+    allowed = [(batch_size, num_labels)] + ([(batch_size,)] if problem_type == "regression" and num_labels == 1 else [])
+    if tuple(labels.shape) not in allowed:
+        raise ValueError(
+            f"labels for problem_type={problem_type!r} have shape {tuple(labels.shape)}, expected one of {allowed}."
+        )
+
+
 __all__ = [
+    "FLATTENED_KEYWORDS",
     "IGNORE_INDEX",
+    "check_attention_mask",
+    "check_can_shift_labels",
+    "check_inputs_embeds",
+    "check_labels",
+    "check_offsets",
+    "check_seq2seq_inputs",
+    "check_sequence_classification_labels",
+    "SKIP_LOGITS_WITHOUT_LABELS",
+    "check_stack_inputs",
+    "check_token_ids",
+    "current_tokens",
     "labels_outside",
     "raises_value_error",
     "require",
-    "checked_attention_mask",
-    "current_tokens",
-    "check_inputs_embeds",
-    "check_labels",
-    "check_not_empty",
-    "check_position_ids",
-    "check_same_batch",
-    "check_can_shift_labels",
-    "check_sequence_classification_labels",
-    "check_stack_inputs",
-    "check_token_ids",
-    "check_token_labels",
 ]

@@ -26,29 +26,20 @@ from .generation_vanilla_transformer import VanillaTransformerGenerationMixin
 from .inputs_vanilla_transformer import (
     IGNORE_INDEX,
     check_can_shift_labels,
-    check_skip_logits,
-    check_token_labels,
+    check_seq2seq_inputs,
+    SKIP_LOGITS_WITHOUT_LABELS,
+    check_stack_inputs,
     current_tokens,
-    labels_outside,
 )
 from .modeling_vanilla_transformer import (
+    MoeCausalLMOutput,
     VanillaTransformerDecoder,
     VanillaTransformerEncoder,
     VanillaTransformerModel,
     VanillaTransformerPreTrainedModel,
 )
-from .moe_vanilla_transformer import MoeCausalLMOutput
-from .packing_vanilla_transformer import check_flattened_batch, shift_packed_labels
+from .packing_vanilla_transformer import shift_packed_labels
 from .router_losses_vanilla_transformer import RouterRequest, with_router_gradient, with_router_value
-
-
-def first_given(*tensors: torch.Tensor | None) -> torch.Tensor | None:
-    return next((tensor for tensor in tensors if tensor is not None), None)
-
-
-def without_cache_in_training(use_cache: bool | None, labels: torch.Tensor | None, training: bool) -> bool | None:
-    """No KV cache where nothing will read it: with labels (as BART) or in training unless asked for."""
-    return False if labels is not None or (training and use_cache is None) else use_cache
 
 
 def require_encoder_decoder(config: VanillaTransformerConfig) -> None:
@@ -79,8 +70,11 @@ class LanguageModelingHead(VanillaTransformerPreTrainedModel):
             return None
         if kwargs.get("num_items_in_batch") is None:
             kwargs["num_items_in_batch"] = (targets != IGNORE_INDEX).sum().clamp(min=1)
-        with labels_outside(self.config.vocab_size):
+        try:  # the loss checks the labels itself (on an accelerator its kernel asserts on the device)
             return self.loss_function(logits, targets.contiguous(), vocab_size=self.config.vocab_size, **kwargs)
+        except IndexError as error:
+            vocab = self.config.vocab_size
+            raise ValueError(f"labels must hold ids in [0, {vocab}) or {IGNORE_INDEX} (ignored): {error}") from None
 
 
 class VanillaTransformerForConditionalGeneration(LanguageModelingHead, VanillaTransformerGenerationMixin):
@@ -149,11 +143,10 @@ class VanillaTransformerForConditionalGeneration(LanguageModelingHead, VanillaTr
         With experts (`num_experts > 0`) the output is a `Seq2SeqMoEOutput` with per-stack balancing and z-losses;
         their weighted sum is already in the gradient of any loss built from `logits` (see `attach_router_loss`).
         """
-        decoder_inputs = first_given(decoder_input_ids, decoder_inputs_embeds)
-        check_token_labels(labels, self.config.vocab_size, decoder_inputs, "decoder_input_ids")
-        check_skip_logits(skip_logits, labels)
-        check_flattened_batch(kwargs, first_given(decoder_inputs, labels), first_given(input_ids, inputs_embeds))
-        if labels is not None and decoder_inputs is None:
+        check_seq2seq_inputs(self.config, input_ids, attention_mask, inputs_embeds, encoder_outputs, decoder_input_ids,
+                             decoder_attention_mask, decoder_inputs_embeds, past_key_values, labels, kwargs,
+                             skip_logits)  # fmt: skip
+        if labels is not None and decoder_input_ids is None and decoder_inputs_embeds is None:
             decoder_input_ids = self.prepare_decoder_input_ids_from_labels(labels, kwargs.get("cu_seq_lens_q"))
         router = RouterRequest.of(self.config, labels, output_router_logits) if self.config.num_experts else None
         outputs = self.model(
@@ -166,12 +159,17 @@ class VanillaTransformerForConditionalGeneration(LanguageModelingHead, VanillaTr
             past_key_values=past_key_values,
             inputs_embeds=inputs_embeds,
             decoder_inputs_embeds=decoder_inputs_embeds,
-            use_cache=without_cache_in_training(use_cache, labels, self.training),
+            use_cache=False if labels is not None or self.training and use_cache is None else use_cache,  # as BART
             output_router_logits=router is not None and router.compute,
+            check_inputs=False,
             **kwargs,
         )
         logits = self.lm_head(slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep))
-        model_outputs = dict(
+        if router is not None:
+            return self.moe_outputs(outputs, logits, labels, router, attention_mask, decoder_attention_mask, skip_logits, **kwargs)  # fmt: skip
+        return Seq2SeqLMOutput(
+            loss=self.token_loss(logits, labels, **kwargs),
+            logits=None if skip_logits else logits,
             past_key_values=outputs.past_key_values,
             decoder_hidden_states=outputs.decoder_hidden_states,
             decoder_attentions=outputs.decoder_attentions,
@@ -180,12 +178,10 @@ class VanillaTransformerForConditionalGeneration(LanguageModelingHead, VanillaTr
             encoder_hidden_states=outputs.encoder_hidden_states,
             encoder_attentions=outputs.encoder_attentions,
         )
-        if router is None:
-            loss = self.token_loss(logits, labels, **kwargs)
-            return Seq2SeqLMOutput(loss=loss, logits=None if skip_logits else logits, **model_outputs)
 
-        # Mixture of Experts: the router losses of both stacks, counted over their tokens, join the gradient through
-        # the logits, so that a loss built from them alone (the Trainer's label smoothing) trains the routers too.
+    def moe_outputs(self, outputs, logits, labels, router, attention_mask, decoder_attention_mask, skip_logits, **kwargs):
+        """With experts: the router losses of both stacks, counted over their tokens, join the gradient through the
+        logits, so that a loss built from them alone (the Trainer's label smoothing) trains the routers too."""
         source_tokens = current_tokens(attention_mask, outputs.encoder_last_hidden_state.shape[1])
         target_tokens = current_tokens(decoder_attention_mask, outputs.last_hidden_state.shape[1])
         router_losses = router.losses(
@@ -205,7 +201,13 @@ class VanillaTransformerForConditionalGeneration(LanguageModelingHead, VanillaTr
             decoder_aux_loss=aux.get("decoder"),
             encoder_z_loss=z.get("encoder"),
             decoder_z_loss=z.get("decoder"),
-            **model_outputs,
+            past_key_values=outputs.past_key_values,
+            decoder_hidden_states=outputs.decoder_hidden_states,
+            decoder_attentions=outputs.decoder_attentions,
+            cross_attentions=outputs.cross_attentions,
+            encoder_last_hidden_state=outputs.encoder_last_hidden_state,
+            encoder_hidden_states=outputs.encoder_hidden_states,
+            encoder_attentions=outputs.encoder_attentions,
         )
 
 
@@ -258,10 +260,14 @@ class VanillaTransformerForCausalLM(LanguageModelingHead, VanillaTransformerGene
         With experts the output is a `MoeCausalLMOutput` (Mixtral's, plus `z_loss`); the weighted router losses are
         already in the gradient of any loss built from `logits` (see `attach_router_loss`).
         """
-        check_token_labels(labels, self.config.vocab_size, first_given(input_ids, inputs_embeds), "input_ids")
-        check_flattened_batch(kwargs, first_given(input_ids, inputs_embeds))
+        static = getattr(past_key_values, "is_compileable", False)  # a static cache's masks span the whole cache
+        inputs = input_ids if input_ids is not None else inputs_embeds
+        past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
+        key_length = None if static or inputs is None else past_length + inputs.shape[1]
+        check_stack_inputs(self.config, input_ids, inputs_embeds, attention_mask, position_ids, key_length, kwargs, labels=labels)
         targets = self.next_token_targets(labels, kwargs.get("shift_labels"))
-        check_skip_logits(skip_logits, targets)
+        if skip_logits and targets is None:
+            raise ValueError(SKIP_LOGITS_WITHOUT_LABELS)
         router = RouterRequest.of(self.config, targets, output_router_logits) if self.config.num_experts else None
         outputs = self.model(
             return_dict=True,  # the head reads fields; its own return_dict applies to its output
@@ -270,8 +276,9 @@ class VanillaTransformerForCausalLM(LanguageModelingHead, VanillaTransformerGene
             position_ids=position_ids,
             past_key_values=past_key_values,
             inputs_embeds=inputs_embeds,
-            use_cache=without_cache_in_training(use_cache, targets, self.training),
+            use_cache=False if targets is not None or self.training and use_cache is None else use_cache,
             output_router_logits=router is not None and router.compute,
+            check_inputs=False,
             **kwargs,
         )
         logits = self.lm_head(slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep))
@@ -336,9 +343,9 @@ class VanillaTransformerForMaskedLM(LanguageModelingHead):
         skip_logits (`bool`, *optional*, defaults to `False`):
             Return the loss without logits (`logits=None`): a training step that reads only the loss. Needs labels.
         """
-        check_token_labels(labels, self.config.vocab_size, first_given(input_ids, inputs_embeds), "input_ids")
-        check_flattened_batch(kwargs, first_given(input_ids, inputs_embeds))
-        check_skip_logits(skip_logits, labels)
+        check_stack_inputs(self.config, input_ids, inputs_embeds, attention_mask, None, True, kwargs, labels=labels)
+        if skip_logits and labels is None:
+            raise ValueError(SKIP_LOGITS_WITHOUT_LABELS)
         router = RouterRequest.of(self.config, labels, output_router_logits) if self.config.num_experts else None
         outputs = self.model(
             return_dict=True,  # the head reads fields; its own return_dict applies to its output
@@ -346,6 +353,7 @@ class VanillaTransformerForMaskedLM(LanguageModelingHead):
             attention_mask=attention_mask,
             inputs_embeds=inputs_embeds,
             output_router_logits=router is not None and router.compute,
+            check_inputs=False,
             **kwargs,
         )
         logits = self.lm_head(slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep))

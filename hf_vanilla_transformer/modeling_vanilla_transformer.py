@@ -1,57 +1,125 @@
 """The Transformer of "Attention Is All You Need" (Vaswani et al., 2017) as a transformers 5.x model, with its variants.
 
-Section numbers in comments refer to the paper. Here: the stacks (embeddings, positions, N layers, final norm), the
-encoder-decoder base model and the weight init; the layers themselves are in layers_vanilla_transformer. Masks come
-from `transformers.masking_utils`; the decoder cache is an `EncoderDecoderCache`. A batch comes padded, (batch,
-length) with an attention mask, or flattened with the offsets of its sequences (packing_vanilla_transformer), in
-which case no mask is built and attention runs per sequence. Nothing here reads a tensor's values on the host: a
-step runs without waiting for the device.
+What every forward runs, read top to bottom as in transformers' own modeling files: dropout, the embeddings and
+positions (§3.4, §3.5), the norms and their placement around each sub-layer (§3.1), the position-wise FFN and its GLU
+variants (§3.3), the Mixture-of-Experts block that can replace it, multi-head attention (§3.2), the layer, the
+weight init, the two stacks and the encoder-decoder base model. Section numbers in comments refer to the paper.
+
+Beside this file: the checks of the inputs (inputs_vanilla_transformer, run once where a head, the base model or a
+stack run alone receives them), the attention layouts and kernels (packing_vanilla_transformer: how each kind of
+attention runs in a forward, built once per model forward, a flattened batch's sequences too), the experts' kernels
+(moe_kernels_vanilla_transformer) and the heads. Masks come from `transformers.masking_utils`; the decoder cache is an
+`EncoderDecoderCache`. Nothing here reads a tensor's values on the host: a step runs without waiting for the device.
 """
 
+import functools
+import math
+import platform
+from dataclasses import dataclass
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import initialization as init
+from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
 from transformers.distributed.pipeline_parallel import PipelineIdentityLayer
+from transformers.integrations.moe import use_experts_implementation
 from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
+from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
     BaseModelOutput,
     BaseModelOutputWithPastAndCrossAttentions,
+    MoeCausalLMOutputWithPast,
     Seq2SeqModelOutput,
     Seq2SeqMoEModelOutput,
 )
 from transformers.modeling_utils import PreTrainedModel
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from transformers.processing_utils import Unpack
-from transformers.utils import TransformersKwargs, can_return_tuple
+from transformers.utils import TransformersKwargs, can_return_tuple, is_torchdynamo_compiling
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
-from .configuration_vanilla_transformer import VanillaTransformerConfig
-from .dropout_vanilla_transformer import Dropout
-from .inputs_vanilla_transformer import (
-    check_inputs_embeds,
-    check_position_ids,
-    check_same_batch,
-    check_stack_inputs,
-    checked_attention_mask,
-    raises_value_error,
+from .configuration_vanilla_transformer import GATED_FFN_TYPES, Stack, VanillaTransformerConfig
+from .inputs_vanilla_transformer import check_seq2seq_inputs, check_stack_inputs, require
+from .moe_kernels_vanilla_transformer import (
+    EXPERTS_FUNCTIONS,
+    SORTED_GROUPED_MM,
+    gated_activation,
+    grouped_mm_takes,
+    local_expert_ids,
+    sorted_grouped_mm_experts_forward,
 )
-from .layers_vanilla_transformer import (
-    VanillaTransformerAttention,
-    VanillaTransformerDecoderLayer,
-    VanillaTransformerEncoderLayer,
-)
-from .moe_vanilla_transformer import (
-    MoeDecoderOutput,
-    MoeEncoderOutput,
-    VanillaTransformerExperts,
-    VanillaTransformerRouter,
-    init_moe_weights,
-)
-from .norms_vanilla_transformer import build_norm, has_final_norm
-from .packing_vanilla_transformer import AttentionLayout, Sequences, layout_kernel
-from .positions_vanilla_transformer import POSITION_EMBEDDINGS, SinusoidalPositionalEmbedding
+from .packing_vanilla_transformer import AttentionLayout, seq2seq_layouts, stack_layout
 from .pretrained_vanilla_transformer import LoadSaveShardMixin
+
+# ------------------------------------------------------------------------------------------------------- dropout
+#
+# Dropout (§5.4), with a cheaper mask on the CPUs where PyTorch samples it one element at a time. PyTorch draws a CPU
+# dropout mask with MKL's vectorised Bernoulli sampler only on Intel CPUs. On every other CPU (AMD, Arm) it takes one
+# Mersenne-Twister draw and one comparison in double precision per element, serially, a noticeable share of a small
+# model's training step. There `Dropout` splits each 64-bit draw of the same generator into two uniform 32-bit
+# integers and keeps an element where its integer clears the threshold: the same Bernoulli(1 - p) mask at 2^-32
+# resolution, scaled by 1 / (1 - p) as PyTorch scales it, in about half the time (docs/benchmarks.md, "Figures quoted
+# in the package's docstrings"). Everywhere else, and under torch.compile (which generates its own masks), it is
+# `nn.Dropout`.
+
+
+@functools.cache
+def cpu_samples_dropout_per_element() -> bool:
+    """Whether PyTorch's CPU Bernoulli sampler is its element-by-element one: not an MKL build on an Intel CPU."""
+    return not (torch.backends.mkl.is_available() and "GenuineIntel" in cpu_vendor())
+
+
+def cpu_vendor() -> str:
+    """The CPU's vendor string: /proc/cpuinfo on Linux, the processor name elsewhere (Windows includes the vendor)."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return next((line for line in cpuinfo if line.startswith("vendor_id")), "")
+    except OSError:
+        return platform.processor()
+
+
+def keep_mask(shape: torch.Size, dropped_per_2_32: int) -> torch.Tensor:
+    """A bool mask of `shape`, each element False with probability dropped_per_2_32 / 2^32, independently: two
+    uniform 32-bit integers per draw of the CPU generator (every 64 bits of it random), kept where at least the
+    threshold."""
+    count = math.prod(shape)
+    draws = torch.empty((count + 1) // 2, dtype=torch.int64).random_(torch.iinfo(torch.int64).min, None)
+    uniform_int32 = draws.view(torch.int32)[:count].view(shape)
+    return uniform_int32 >= torch.iinfo(torch.int32).min + dropped_per_2_32
+
+
+class Dropout(nn.Dropout):
+    """`nn.Dropout`, drawing its mask with `keep_mask` when training on a CPU that samples dropout per element."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if not self.training:  # first: decoding calls every dropout of the model at every step
+            return input
+        dropped_per_2_32 = round(self.p * 2**32)
+        if (
+            self.inplace
+            or not 0 < dropped_per_2_32 < 2**32
+            or type(input) is not torch.Tensor  # DTensor and other subclasses keep their own dropout
+            or input.device.type != "cpu"
+            or is_torchdynamo_compiling()
+            or not cpu_samples_dropout_per_element()
+        ):
+            return super().forward(input)
+        # As PyTorch's own CPU dropout: input times a noise tensor of 0 and 1 / (1 - p), kept for the backward.
+        noise = keep_mask(input.shape, dropped_per_2_32).to(input.dtype).div_(1.0 - self.p)
+        return input * noise
+
+# ------------------------------------------------------------------------------------ embeddings and positions
+#
+# Every position module maps `(inputs_embeds, position_ids, past_length, positions_below)` to `(hidden_states,
+# rotary)` (`positions_below`: a bound on `position_ids` the caller knows, which only a table lookup needs): additive
+# encodings return the embeddings with positions added and no rotary table; RoPE returns the embeddings unchanged and
+# the `(cos, sin)` table that self-attention applies to queries and keys. Without `position_ids` the positions are
+# `past_length`, `past_length + 1`, ... (after a cache).
+
+PositionOutput = tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]
 
 
 class ScaledWordEmbedding(nn.Embedding):
@@ -63,6 +131,682 @@ class ScaledWordEmbedding(nn.Embedding):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return super().forward(input_ids) * self.embed_scale
+
+
+def sinusoidal_position_encoding(position_ids: torch.Tensor, dim: int, layout: str = "interleaved") -> torch.Tensor:
+    """PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(pos / 10000^(2i/d))  (§3.5), in fp32.
+
+    `layout="concatenated"` puts all sines first and all cosines after them (Marian, tensor2tensor).
+    """
+    inv_freq = 10000.0 ** (-torch.arange(0, dim, 2, dtype=torch.float32, device=position_ids.device) / dim)
+    angles = position_ids.to(torch.float32)[..., None] * inv_freq
+    if layout == "interleaved":
+        encoding = torch.stack((angles.sin(), angles.cos()), dim=-1).flatten(-2)
+    else:
+        encoding = torch.cat((angles.sin(), angles.cos()), dim=-1)
+    return encoding[..., :dim]
+
+
+def default_positions(inputs_embeds: torch.Tensor, past_length: int | torch.Tensor) -> torch.Tensor:
+    return torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_length
+
+
+class SinusoidalPositionalEmbedding(nn.Module):
+    """Fixed sinusoids added to the embeddings; they extrapolate to any length (§3.5).
+
+    The first `max_position_embeddings` rows are kept as a table (not saved: `_init_weights` recomputes it), so the
+    usual positions 0, 1, ... cost one slice instead of a dozen small kernels; other positions are computed."""
+
+    def __init__(self, config: VanillaTransformerConfig):
+        super().__init__()
+        self.dim = config.d_model
+        self.layout = config.sinusoidal_layout
+        self.register_buffer("table", self.encoding(torch.arange(config.max_position_embeddings)), persistent=False)
+
+    def encoding(self, position_ids: torch.Tensor) -> torch.Tensor:
+        return sinusoidal_position_encoding(position_ids, self.dim, self.layout)
+
+    def forward(
+        self,
+        inputs_embeds: torch.Tensor,
+        position_ids: torch.Tensor | None,
+        past_length: int | torch.Tensor = 0,
+        positions_below: int | None = None,
+    ) -> PositionOutput:
+        """`positions_below`: a bound the caller knows `position_ids` keep to (a flattened batch's longest sequence),
+        so that they can be looked up in the table."""
+        length = inputs_embeds.shape[1]
+        if position_ids is None and isinstance(past_length, int) and past_length + length <= len(self.table):
+            encoding = self.table[past_length : past_length + length]
+        elif position_ids is not None and positions_below is not None and positions_below <= len(self.table):
+            try:  # the lookup checks the positions itself, at no cost (a device assert on an accelerator)
+                encoding = F.embedding(position_ids, self.table)
+            except IndexError as error:
+                raise ValueError(f"position_ids hold a position past max_length ({positions_below}): {error}") from None
+        else:
+            positions = default_positions(inputs_embeds, past_length) if position_ids is None else position_ids
+            encoding = self.encoding(positions)
+        return inputs_embeds + encoding.to(inputs_embeds.dtype), None
+
+
+class LearnedPositionalEmbedding(nn.Embedding):
+    """A learned table of `max_position_embeddings` rows (the paper's §3.5 alternative, BERT/GPT-2 style)."""
+
+    def __init__(self, config: VanillaTransformerConfig):
+        super().__init__(config.max_position_embeddings, config.d_model)
+
+    def forward(
+        self,
+        inputs_embeds: torch.Tensor,
+        position_ids: torch.Tensor | None,
+        past_length: int | torch.Tensor = 0,
+        positions_below: int | None = None,
+    ) -> PositionOutput:
+        position_ids = default_positions(inputs_embeds, past_length) if position_ids is None else position_ids
+        require(
+            (position_ids < self.num_embeddings).all(),
+            f"A position is past max_position_embeddings={self.num_embeddings} (position_embedding_type='learned'): "
+            "shorten the input or raise max_position_embeddings.",
+        )
+        return inputs_embeds + super().forward(position_ids), None
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE (Su et al. 2021) in the rotate-half layout of GPT-NeoX/Llama: a `(cos, sin)` table per position."""
+
+    def __init__(self, config: VanillaTransformerConfig, head_dim: int):
+        super().__init__()
+        self.head_dim = head_dim
+        self.theta = config.rope_theta
+
+    def forward(
+        self,
+        inputs_embeds: torch.Tensor,
+        position_ids: torch.Tensor | None,
+        past_length: int | torch.Tensor = 0,
+        positions_below: int | None = None,
+    ) -> PositionOutput:
+        position_ids = default_positions(inputs_embeds, past_length) if position_ids is None else position_ids
+        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=position_ids.device) / self.head_dim
+        freqs = position_ids.to(torch.float32)[..., None] * self.theta**-exponents
+        angles = torch.cat((freqs, freqs), dim=-1)
+        if angles.dim() == 2:  # shared positions -> broadcast over the batch
+            angles = angles[None]
+        return inputs_embeds, (angles.cos().to(inputs_embeds.dtype), angles.sin().to(inputs_embeds.dtype))
+
+
+class NoPositionalEmbedding(nn.Module):
+    """No position information (the decoder's causal mask still leaks order; Haviv et al. 2022)."""
+
+    def forward(
+        self,
+        inputs_embeds: torch.Tensor,
+        position_ids: torch.Tensor | None,
+        past_length: int | torch.Tensor = 0,
+        positions_below: int | None = None,
+    ) -> PositionOutput:
+        return inputs_embeds, None
+
+
+def build_position_embedding(config: VanillaTransformerConfig, num_heads: int) -> nn.Module:
+    """The position module of `config.position_embedding_type` for a stack of `num_heads` heads (RoPE rotates each
+    head's dimensions)."""
+    if config.position_embedding_type == "rope":
+        return RotaryEmbedding(config, config.d_model // num_heads)
+    if config.position_embedding_type == "none":
+        return NoPositionalEmbedding()
+    tables = {"sinusoidal": SinusoidalPositionalEmbedding, "learned": LearnedPositionalEmbedding}
+    return tables[config.position_embedding_type](config)
+
+# ----------------------------------------------------------------------------------- norms and their placement
+
+
+def build_norm(config: VanillaTransformerConfig) -> nn.Module:
+    """LayerNorm (paper, Ba et al. 2016) or RMSNorm (Zhang & Sennrich 2019), with the configured epsilon."""
+    if config.norm_type == "rmsnorm":
+        return nn.RMSNorm(config.d_model, eps=config.norm_eps)  # eps given: torch's default is finfo(dtype).eps
+    return nn.LayerNorm(config.d_model, eps=config.norm_eps, bias=config.norm_bias)
+
+
+def deepnorm_constants(config: VanillaTransformerConfig, stack: Stack) -> tuple[float, float]:
+    """DeepNet (Wang et al. 2022, Figure 2 / Table 1) residual weight alpha and init gain beta.
+
+    Encoder-decoder with N encoder and M decoder layers:
+        encoder  alpha = 0.81 (N^4 M)^(1/16),  beta = 0.87 (N^4 M)^(-1/16)
+        decoder  alpha = (3M)^(1/4),           beta = (12M)^(-1/4)
+    Encoder-only (N layers) or decoder-only (M layers): alpha = (2L)^(1/4), beta = (8L)^(-1/4).
+    """
+    n, m = config.encoder_layers, config.decoder_layers
+    if not config.is_encoder_decoder:
+        depth = n if stack == "encoder" else m
+        return (2 * depth) ** 0.25, (8 * depth) ** -0.25
+    if stack == "encoder":
+        return 0.81 * (n**4 * m) ** (1 / 16), 0.87 * (n**4 * m) ** (-1 / 16)
+    return (3 * m) ** 0.25, (12 * m) ** -0.25
+
+
+# DeepNet Figure 2 (pseudocode): these get Xavier-normal with gain beta; queries and keys keep gain 1. Mixture-of-
+# Experts FFNs (`experts`, `shared_experts`) are FFN weights too.
+DEEPNORM_SCALED_MODULES = ("v_proj", "out_proj", "fc1", "fc2", "gate_proj", "up_proj", "down_proj", "experts")
+
+
+def set_deepnorm_init_gains(layer: nn.Module, config: VanillaTransformerConfig, stack: Stack) -> None:
+    """Store the DeepNet init gain on each linear map and expert bank of `layer` as `deepnorm_gain`, for
+    `_init_weights` to apply.
+
+    The gain lives on the module itself because transformers initialises module by module and, for custom-code
+    models, skips every module without parameters of its own, so a layer could not re-initialise its children.
+    """
+    if config.norm_position != "deepnorm":
+        return
+    beta = deepnorm_constants(config, stack)[1]
+    for name, module in layer.named_modules():
+        kind = name.rsplit(".", 1)[-1].removeprefix("shared_")
+        if isinstance(module, nn.Linear) or kind == "experts":
+            module.deepnorm_gain = beta if kind in DEEPNORM_SCALED_MODULES else 1.0
+
+
+def norm_first(config: VanillaTransformerConfig) -> bool:
+    """Whether a sub-layer reads the normalised stream (pre, sandwich): then the stream itself is never normalised,
+    and each stack ends with one more norm."""
+    return config.norm_position in ("pre", "sandwich")
+
+
+class SublayerConnection(nn.Module):
+    """The dropout, residual add and norm(s) around one sub-layer (attention or FFN), placed per `norm_position`:
+
+    post      LayerNorm(x + Dropout(f(x)))                 the paper, §3.1 and §5.4
+    pre       x + Dropout(f(LayerNorm(x)))                 Xiong et al. 2020; the stack ends with a final norm
+    sandwich  x + Dropout(LayerNorm(f(LayerNorm(x))))      Ding et al. 2021 (CogView)
+    deepnorm  LayerNorm(alpha * x + Dropout(f(x)))         Wang et al. 2022 (DeepNet)
+
+    The layer runs f on `norm(x)` where `norm_first` (pre, sandwich), else on x, then calls this with x and f's
+    output.
+    """
+
+    def __init__(self, config: VanillaTransformerConfig, residual_scale: float = 1.0):
+        super().__init__()
+        self.norm_first = norm_first(config)
+        self.norm = build_norm(config)
+        self.sandwich_norm = build_norm(config) if config.norm_position == "sandwich" else None
+        self.dropout = Dropout(config.dropout)
+        self.residual_scale = residual_scale
+
+    def forward(self, residual: torch.Tensor, sublayer_output: torch.Tensor) -> torch.Tensor:
+        """The stream after the sub-layer: its dropped-out output added to the residual, normalised per placement."""
+        if self.sandwich_norm is not None:
+            sublayer_output = self.sandwich_norm(sublayer_output)
+        if self.norm_first:
+            return residual + self.dropout(sublayer_output)
+        # alpha = 1 (post-LN) would cost a full-size multiply forward and backward for nothing.
+        scaled = residual if self.residual_scale == 1.0 else self.residual_scale * residual
+        return self.norm(scaled + self.dropout(sublayer_output))
+
+# ----------------------------------------------------------------------------------------- feed-forward networks
+#
+# Position-wise FFNs (§3.3) and the GLU family (Shazeer 2020, "GLU Variants Improve Transformer"):
+#   ungated  FFN(x) = act(x W1 + b1) W2 + b2                 (fc1, fc2; the paper uses ReLU)
+#   gated    FFN(x) = (act(x W_gate) * (x W_up)) W_down      (gate_proj, up_proj, down_proj)
+
+# ffn_type -> activation (ACT2FN key). For gated types it is applied to the gate; "bilinear" has none.
+FFN_ACTIVATIONS = {
+    "relu": "relu",
+    "gelu": "gelu",
+    "swish": "silu",
+    "glu": "sigmoid",
+    "bilinear": "linear",
+    "reglu": "relu",
+    "geglu": "gelu",
+    "swiglu": "silu",
+}
+
+
+def ffn_activation(config: VanillaTransformerConfig) -> nn.Module:
+    """The activation of `config.ffn_type` (on the gate for gated types), from transformers' ACT2FN."""
+    return ACT2FN[FFN_ACTIVATIONS[config.ffn_type]]
+
+
+class FeedForward(nn.Module):
+    """The paper's FFN: two linear maps with an activation between them, each position on its own."""
+
+    def __init__(self, config: VanillaTransformerConfig, ffn_dim: int):
+        super().__init__()
+        self.fc1 = nn.Linear(config.d_model, ffn_dim, bias=config.use_bias)
+        self.fc2 = nn.Linear(ffn_dim, config.d_model, bias=config.use_bias)
+        self.act_fn = ffn_activation(config)
+        self.activation_dropout = Dropout(config.activation_dropout)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.activation_dropout(self.act_fn(self.fc1(hidden_states))))
+
+
+class GatedFeedForward(nn.Module):
+    """A GLU-variant FFN: the activated gate multiplies a second linear projection."""
+
+    def __init__(self, config: VanillaTransformerConfig, ffn_dim: int):
+        super().__init__()
+        hidden = config.gated_hidden_size(ffn_dim)
+        self.gate_proj = nn.Linear(config.d_model, hidden, bias=config.use_bias)
+        self.up_proj = nn.Linear(config.d_model, hidden, bias=config.use_bias)
+        self.down_proj = nn.Linear(hidden, config.d_model, bias=config.use_bias)
+        self.act_fn = ffn_activation(config)
+        self.activation_dropout = Dropout(config.activation_dropout)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        gated = self.act_fn(self.gate_proj(hidden_states)) * self.up_proj(hidden_states)
+        return self.down_proj(self.activation_dropout(gated))
+
+
+def build_feed_forward(config: VanillaTransformerConfig, ffn_dim: int) -> nn.Module:
+    """The FFN of `config.ffn_type`; gated types get 2/3 of `ffn_dim` (see `config.gated_hidden_size`)."""
+    return GatedFeedForward(config, ffn_dim) if config.ffn_type in GATED_FFN_TYPES else FeedForward(config, ffn_dim)
+
+# ------------------------------------------------------------------------------------------ Mixture of Experts
+#
+# The FFN of §3.3 replaced by E expert FFNs, each token sent to its top-k (Shazeer et al. 2017):
+#   router    p = softmax(x W_r)  in fp32; the top-k experts of each token, weights optionally renormalised
+#   block     y = sum_{e in top-k} p_e FFN_e(x)  (+ shared experts applied to every token, DeepSeekMoE)
+#   experts   the E FFNs as 3D tensors in Mixtral's layout, run by the function `config._experts_implementation`
+#             names (`@use_experts_implementation`): transformers' "eager", "batched_mm", "grouped_mm", ..., or ours,
+#             "sorted_grouped_mm" (the default: the same grouped matmuls, fewer passes over the rows;
+#             moe_kernels_vanilla_transformer)
+#   capacity  with factor c, expert e serves at most ceil(c * tokens * k / E) tokens (GShard, Switch Transformer);
+#             the rest skip it, so a token with no expert left keeps only its residual
+# The router losses that train the gate are in router_losses_vanilla_transformer.
+
+
+class VanillaTransformerRouter(nn.Module):
+    """The gate: a linear map to one logit per expert, softmax, top-k. Always computed in fp32, because a bf16
+    softmax over near-equal logits flips top-k choices and the router is tiny (Switch Transformer §2.4): in a bf16
+    model as under autocast, which would otherwise run the linear map in bf16 whatever its inputs' dtype."""
+
+    def __init__(self, config: VanillaTransformerConfig):
+        super().__init__()
+        self.top_k = config.num_experts_per_tok
+        self.norm_topk_prob = config.norm_topk_prob
+        self.jitter_noise = config.router_jitter_noise
+        self.weight = nn.Parameter(torch.empty(config.num_experts, config.d_model))
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """hidden_states (T, H) -> router logits (T, E) fp32, top-k weights (T, k) fp32, top-k expert ids (T, k)."""
+        with torch.autocast(device_type=hidden_states.device.type, enabled=False):
+            hidden_states = hidden_states.float()
+            if self.training and self.jitter_noise > 0:
+                # Multiplicative jitter on the router input only (Switch Transformer §2.4): explores routings in
+                # training while the experts still see the clean hidden states.
+                noise = torch.empty_like(hidden_states).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
+                hidden_states = hidden_states * noise
+            router_logits = F.linear(hidden_states, self.weight.float())
+            top_k_weights, top_k_index = torch.topk(router_logits.softmax(dim=-1), self.top_k, dim=-1)
+            if self.norm_topk_prob:  # Mixtral: the k chosen weights sum to one
+                top_k_weights = top_k_weights / top_k_weights.sum(dim=-1, keepdim=True)
+            return router_logits, top_k_weights, top_k_index
+
+
+def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
+    """Tokens one expert may serve: ceil(c * tokens * k / E) (Switch Transformer eq. 3, times k for top-k)."""
+    return math.ceil(capacity_factor * num_tokens * top_k / num_experts)
+
+
+def within_capacity(top_k_index: torch.Tensor, num_experts: int, capacity: int) -> torch.Tensor:
+    """Which (token, choice) assignments an expert still has room for: (T, k) bool.
+
+    Assignments are served first choices first, then second choices, each in token order (GShard §2.2), so a token
+    loses its k-th expert before any other token loses its first.
+    """
+    top_k = top_k_index.shape[1]
+    by_rank = top_k_index.t().reshape(-1)  # (k*T,): every first choice, then every second choice, ...
+    one_hot = F.one_hot(by_rank, num_experts)
+    position_in_expert = (one_hot.cumsum(dim=0) * one_hot).sum(dim=-1)  # 1-based
+    return (position_in_expert <= capacity).view(top_k, -1).t()
+
+
+@use_experts_implementation(experts_interface=EXPERTS_FUNCTIONS)
+class VanillaTransformerExperts(nn.Module):
+    """`num_experts` FFNs of `config.ffn_type` (§3.3 or a GLU variant) stored as 3D tensors in Mixtral's layout, so
+    that transformers' experts functions run them: gated types fuse [gate; up] in `gate_up_proj` (E, 2I, H), ungated
+    ones have `up_proj` (E, I, H); `down_proj` is (E, H, I); `*_bias` when `config.use_bias`. `forward` is the eager
+    implementation; the decorator dispatches on `config._experts_implementation`."""
+
+    def __init__(self, config: VanillaTransformerConfig, num_experts: int, ffn_dim: int):
+        super().__init__()
+        gated = config.ffn_type in GATED_FFN_TYPES
+        hidden = config.gated_hidden_size(ffn_dim) if gated else ffn_dim
+        self.num_experts = num_experts
+        if gated:
+            self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * hidden, config.d_model))
+        else:
+            self.up_proj = nn.Parameter(torch.empty(num_experts, hidden, config.d_model))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, config.d_model, hidden))
+        if config.use_bias:
+            if gated:
+                self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * hidden))
+            else:
+                self.up_proj_bias = nn.Parameter(torch.empty(num_experts, hidden))
+            self.down_proj_bias = nn.Parameter(torch.empty(num_experts, config.d_model))
+        self.activation = ffn_activation(config)
+        self.activation_dropout = Dropout(config.activation_dropout)
+
+    # What the experts functions read. The decorator assigns one `has_gate` and `has_bias` to every instance of the
+    # class after `__init__`; here they follow the config, so they are read off the parameters and that is ignored.
+    has_gate = property(lambda self: "gate_up_proj" in self._parameters, lambda self, value: None)
+    has_bias = property(lambda self: "down_proj_bias" in self._parameters, lambda self, value: None)
+
+    @property
+    def up_projection_name(self) -> str:
+        return "gate_up_proj" if self.has_gate else "up_proj"
+
+    def act_fn(self, up: torch.Tensor) -> torch.Tensor:
+        """Hidden activation of an ungated expert (the experts functions call it by this name)."""
+        return self.activation_dropout(self.activation(up))
+
+    def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """Hidden activation of a gated expert: act(gate) * up (Shazeer 2020)."""
+        return self.activation_dropout(gated_activation(gate_up, self.activation))
+
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """The eager path, one expert at a time: hidden_states (T, H), top_k_index and top_k_weights (T, k) -> (T, H),
+        each token's sum over its choices of weight * FFN_expert(x).
+
+        It rounds where transformers' batched and grouped functions do, so that in bf16 or fp16 switching the
+        implementation does not change the outputs: the bias is added to the rounded product, and the sum is taken
+        in the dtype of their weighted products (expert weights' times routing weights': the router's fp32) and cast
+        once."""
+        up_name = self.up_projection_name
+        top_k_index = local_expert_ids(self, top_k_index)
+        summed_dtype = torch.promote_types(self.down_proj.dtype, top_k_weights.dtype)
+        output = hidden_states.new_zeros(hidden_states.shape, dtype=summed_dtype)
+        for expert in top_k_index.unique().tolist():
+            token, choice = torch.where(top_k_index == expert)
+            hidden = self._linear(hidden_states[token], up_name, expert)
+            hidden = self._apply_gate(hidden) if self.has_gate else self.act_fn(hidden)
+            weighted = self._linear(hidden, "down_proj", expert) * top_k_weights[token, choice, None]
+            # Under autocast the matmuls here come out in bf16 whatever the weights' dtype (the grouped kernels,
+            # which autocast does not cover, in the weights' dtype), and a bias may promote them.
+            output.index_add_(0, token, weighted.to(output.dtype))
+        return output.to(hidden_states.dtype)
+
+    def _linear(self, inputs: torch.Tensor, projection: str, expert: int) -> torch.Tensor:
+        output = F.linear(inputs, getattr(self, projection)[expert])
+        return output + getattr(self, f"{projection}_bias")[expert] if self.has_bias else output
+
+
+class VanillaTransformerSparseMoeBlock(nn.Module):
+    """The FFN sub-layer as a Mixture of Experts: `gate` (router), `experts`, and optional `shared_experts`.
+
+    Parameter names follow Mixtral (`mlp.gate.weight`, `mlp.experts.gate_up_proj`, `mlp.experts.down_proj`).
+    With `expert_capacity_factor` set,
+    `dropped_tokens` holds the number of (token, expert) assignments the last forward dropped for lack of room.
+    """
+
+    def __init__(self, config: VanillaTransformerConfig, ffn_dim: int):
+        super().__init__()
+        self.num_experts = config.num_experts
+        self.top_k = config.num_experts_per_tok
+        self.capacity_factor = config.expert_capacity_factor
+        self.gate = VanillaTransformerRouter(config)
+        self.experts = VanillaTransformerExperts(config, config.num_experts, ffn_dim)
+        # Shared experts (Dai et al. 2024, DeepSeekMoE): experts every token is sent to with weight 1.
+        self.shared_experts = (
+            VanillaTransformerExperts(config, config.num_shared_experts, ffn_dim) if config.num_shared_experts else None
+        )
+        self.dropped_tokens = None
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """(batch, length, H) -> the same shape; every position is routed (padding too, as in Mixtral: skipping it
+        would need to find it on the host), and the losses count tokens only."""
+        tokens = hidden_states.reshape(-1, hidden_states.shape[-1])
+        _, top_k_weights, top_k_index = self.gate(tokens)
+        if self.capacity_factor is None:
+            output = self.experts(tokens, top_k_index, top_k_weights)
+        else:
+            output = self._experts_within_capacity(tokens, top_k_index, top_k_weights)
+        if self.shared_experts is not None:
+            everyone = torch.arange(self.shared_experts.num_experts, device=tokens.device).expand(tokens.shape[0], -1)
+            output = output + self.shared_experts(tokens, everyone, torch.ones(everyone.shape, device=tokens.device))
+        return output.view_as(hidden_states)
+
+    def _experts_within_capacity(
+        self, tokens: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """Run only the kept assignments, one row each, and sum them back per token; dropped ones contribute 0, so
+        a token that lost every expert keeps only its residual."""
+        capacity = expert_capacity(tokens.shape[0], self.top_k, self.num_experts, self.capacity_factor)
+        keep = within_capacity(top_k_index, self.num_experts, capacity)
+        self.dropped_tokens = keep.numel() - int(keep.sum())
+        token, choice = keep.nonzero(as_tuple=True)
+        kept = self.experts(tokens[token], top_k_index[token, choice, None], top_k_weights[token, choice, None])
+        return torch.zeros_like(tokens).index_add_(0, token, kept)
+
+
+@torch.no_grad()
+def init_moe_weights(module: nn.Module, config: VanillaTransformerConfig) -> None:
+    """Router: N(0, initializer_range) as Mixtral (small logits, near-uniform routing at the start). Experts: each
+    (fan_out, fan_in) matrix as the dense FFN's linears (`config.initialization`; Xavier-normal with gain beta under
+    DeepNorm); biases zero."""
+    if isinstance(module, VanillaTransformerRouter):
+        init.normal_(module.weight, std=config.initializer_range)
+        return
+    fan_sum = module.down_proj.shape[1] + module.down_proj.shape[2]  # d_model + expert hidden size
+    gain = getattr(module, "deepnorm_gain", None)
+    for name, parameter in module.named_parameters(recurse=False):
+        if name.endswith("_bias"):
+            init.zeros_(parameter)
+        elif gain is None and config.initialization == "normal":
+            init.normal_(parameter, std=config.initializer_range)
+        elif gain is None:
+            bound = math.sqrt(6.0 / fan_sum)
+            init.uniform_(parameter, -bound, bound)
+        else:
+            init.normal_(parameter, std=gain * math.sqrt(2.0 / fan_sum))
+
+
+def dropped_token_counts(model: nn.Module) -> dict[str, int]:
+    """Module name -> assignments dropped for lack of capacity in the last forward, for every MoE block."""
+    return {
+        name: module.dropped_tokens
+        for name, module in model.named_modules()
+        if isinstance(module, VanillaTransformerSparseMoeBlock) and module.dropped_tokens is not None
+    }
+
+
+@dataclass
+class MoeEncoderOutput(BaseModelOutput):
+    """`BaseModelOutput` plus the router logits of the stack's MoE layers, each (batch * length, num_experts)."""
+
+    router_logits: tuple[torch.Tensor, ...] | None = None
+
+
+@dataclass
+class MoeDecoderOutput(BaseModelOutputWithPastAndCrossAttentions):
+    """`BaseModelOutputWithPastAndCrossAttentions` plus the router logits of the stack's MoE layers."""
+
+    router_logits: tuple[torch.Tensor, ...] | None = None
+
+
+@dataclass
+class MoeCausalLMOutput(MoeCausalLMOutputWithPast):
+    """Mixtral's `MoeCausalLMOutputWithPast` plus the router z-loss (ST-MoE) next to the balancing `aux_loss`."""
+
+    z_loss: torch.Tensor | None = None
+
+# ------------------------------------------------------------------------------------- attention and the layers
+
+
+class VanillaTransformerAttention(nn.Module):
+    """Multi-head scaled dot-product attention (§3.2), with grouped K/V heads when `num_key_value_heads` is set.
+
+    Self-attention reads keys and values from its own input; cross-attention (`is_cross_attention`) from
+    `key_value_states`, the encoder output (§3.2.3). The `layout` of the call says what runs it (transformers'
+    attention interface, a variable-length kernel, or the fallback over a flattened batch's sequences), chosen once
+    per model forward (packing_vanilla_transformer).
+    """
+
+    def __init__(
+        self,
+        config: VanillaTransformerConfig,
+        num_heads: int,
+        *,
+        is_causal: bool,
+        is_cross_attention: bool = False,
+        layer_idx: int | None = None,
+    ):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.is_causal = is_causal  # read by the sdpa/flash integrations; False for encoder and cross-attention
+        self.is_cross_attention = is_cross_attention
+        self.head_dim = config.d_model // num_heads
+        num_key_value_heads = config.key_value_heads(num_heads)
+        self.num_key_value_groups = num_heads // num_key_value_heads
+        self.scaling = self.head_dim**-0.5  # 1 / sqrt(d_k), §3.2.1
+        self.attention_dropout = config.attention_dropout
+        self.q_proj = nn.Linear(config.d_model, num_heads * self.head_dim, bias=config.use_bias)
+        self.k_proj = nn.Linear(config.d_model, num_key_value_heads * self.head_dim, bias=config.use_bias)
+        self.v_proj = nn.Linear(config.d_model, num_key_value_heads * self.head_dim, bias=config.use_bias)
+        self.out_proj = nn.Linear(num_heads * self.head_dim, config.d_model, bias=config.use_bias)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        layout: AttentionLayout,
+        key_value_states: torch.Tensor | None = None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        past_key_values: Cache | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        # (batch, length, heads * head_dim) -> (batch, heads, length, head_dim)
+        heads_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+        query = self.q_proj(hidden_states).view(heads_shape).transpose(1, 2)
+
+        cache, cross_cached = past_key_values, False
+        if isinstance(past_key_values, EncoderDecoderCache):
+            cross_cached = self.is_cross_attention and past_key_values.is_updated.get(self.layer_idx, False)
+            cache = (
+                past_key_values.cross_attention_cache
+                if self.is_cross_attention
+                else past_key_values.self_attention_cache
+            )
+
+        if cross_cached:  # the encoder output does not change while decoding: its K/V are projected once
+            key, value = cache.layers[self.layer_idx].keys, cache.layers[self.layer_idx].values
+        else:
+            source = key_value_states if self.is_cross_attention else hidden_states
+            heads_shape = (*source.shape[:-1], -1, self.head_dim)
+            key = self.k_proj(source).view(heads_shape).transpose(1, 2)
+            value = self.v_proj(source).view(heads_shape).transpose(1, 2)
+            if position_embeddings is not None:  # RoPE: rotate before caching, so cached keys keep their positions
+                query, key = apply_rotary_pos_emb(query, key, *position_embeddings)
+            if cache is not None:
+                key, value = cache.update(key, value, self.layer_idx)
+                if self.is_cross_attention:
+                    past_key_values.is_updated[self.layer_idx] = True
+
+        attn_output, attn_weights = layout.attention(
+            self,
+            query,
+            key,
+            value,
+            attention_mask if layout.mask is None else layout.mask,
+            dropout=self.attention_dropout if self.training else 0.0,
+            scaling=self.scaling,
+            **kwargs,
+        )
+        attn_output = attn_output.reshape(*attn_output.shape[:2], -1).contiguous()
+        return self.out_proj(attn_output), attn_weights
+
+
+def build_mlp(config: VanillaTransformerConfig, stack: Stack, layer_idx: int) -> nn.Module:
+    """The position-wise FFN of one layer (§3.3), or a Mixture of Experts in the layers `config.is_moe_layer` picks."""
+    ffn_dim = config.encoder_ffn_dim if stack == "encoder" else config.decoder_ffn_dim
+    if config.is_moe_layer(stack, layer_idx):
+        return VanillaTransformerSparseMoeBlock(config, ffn_dim)
+    return build_feed_forward(config, ffn_dim)
+
+
+class VanillaTransformerLayer(GradientCheckpointingLayer):
+    """One layer of either stack (§3.1): self-attention, attention over the encoder output (a decoder of an
+    encoder-decoder only), then the FFN; each sub-layer wrapped in dropout, residual and norm (`SublayerConnection`).
+    The subclasses name the stack (`stack`): encoder self-attention sees the whole source, decoder self-attention is
+    masked."""
+
+    stack: Stack
+
+    def __init__(self, config: VanillaTransformerConfig, layer_idx: int):
+        super().__init__()
+        # DeepNet's alpha for the residual branch of every sub-layer (1 for the other placements).
+        alpha = deepnorm_constants(config, self.stack)[0] if config.norm_position == "deepnorm" else 1.0
+        decoder = self.stack == "decoder"
+        heads = config.decoder_attention_heads if decoder else config.encoder_attention_heads
+        self.norm_first = norm_first(config)
+        self.self_attn = VanillaTransformerAttention(config, heads, is_causal=decoder, layer_idx=layer_idx)
+        self.self_attn_connection = SublayerConnection(config, alpha)
+        if decoder and config.is_encoder_decoder:
+            self.encoder_attn = VanillaTransformerAttention(
+                config, heads, is_causal=False, is_cross_attention=True, layer_idx=layer_idx
+            )
+            self.encoder_attn_connection = SublayerConnection(config, alpha)
+        self.mlp = build_mlp(config, self.stack, layer_idx)
+        self.mlp_connection = SublayerConnection(config, alpha)
+        set_deepnorm_init_gains(self, config, self.stack)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        encoder_hidden_states: torch.Tensor | None = None,
+        encoder_attention_mask: torch.Tensor | None = None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        attention_layout: AttentionLayout | None = None,
+        cross_attention_layout: AttentionLayout | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> torch.Tensor:
+        """`kwargs` reach both attentions: the decoder's cache (`past_key_values`) and transformers' attention
+        options. Each sub-layer reads the normalised stream where the norm comes first (pre, sandwich)."""
+        # Self-attention (§3.2.3): over the whole source in the encoder; in the decoder `attention_mask` is causal,
+        # position i sees positions <= i only.
+        connection = self.self_attn_connection
+        attention_input = connection.norm(hidden_states) if self.norm_first else hidden_states
+        attention_output, _ = self.self_attn(
+            attention_input, attention_mask, attention_layout, position_embeddings=position_embeddings, **kwargs
+        )
+        hidden_states = connection(hidden_states, attention_output)
+
+        # Encoder-decoder attention: queries from the decoder, keys and values from the encoder output (§3.2.3).
+        if encoder_hidden_states is not None:
+            connection = self.encoder_attn_connection
+            attention_input = connection.norm(hidden_states) if self.norm_first else hidden_states
+            attention_output, _ = self.encoder_attn(
+                attention_input,
+                encoder_attention_mask,
+                cross_attention_layout,
+                key_value_states=encoder_hidden_states,
+                **kwargs,
+            )
+            hidden_states = connection(hidden_states, attention_output)
+
+        # Position-wise feed-forward network, or Mixture of Experts (§3.3).
+        connection = self.mlp_connection
+        mlp_output = self.mlp(connection.norm(hidden_states) if self.norm_first else hidden_states)
+        return connection(hidden_states, mlp_output)
+
+
+class VanillaTransformerEncoderLayer(VanillaTransformerLayer):
+    """An encoder layer: self-attention over the whole source, then FFN."""
+
+    stack = "encoder"
+
+
+class VanillaTransformerDecoderLayer(VanillaTransformerLayer):
+    """A decoder layer: masked self-attention, attention over the encoder output (absent when decoder-only), then
+    FFN."""
+
+    stack = "decoder"
+
+# ------------------------------------------------------------------------------------ the stacks and the model
 
 
 class VanillaTransformerPreTrainedModel(LoadSaveShardMixin, PreTrainedModel):
@@ -117,10 +861,10 @@ class VanillaTransformerStack(VanillaTransformerPreTrainedModel):
     def __init__(self, config: VanillaTransformerConfig, layer_class: type[nn.Module], num_layers: int, num_heads: int):
         super().__init__(config)
         self.embed_tokens = ScaledWordEmbedding(config)
-        self.embed_positions = POSITION_EMBEDDINGS[config.position_embedding_type](config, config.d_model // num_heads)
+        self.embed_positions = build_position_embedding(config, num_heads)
         self.dropout = Dropout(config.dropout)
         self.layers = nn.ModuleList([layer_class(config, i) for i in range(num_layers)])
-        self.layer_norm = build_norm(config) if has_final_norm(config) else None
+        self.layer_norm = build_norm(config) if norm_first(config) else None
         self.gradient_checkpointing = False
 
     def embed(
@@ -128,28 +872,23 @@ class VanillaTransformerStack(VanillaTransformerPreTrainedModel):
         input_ids: torch.LongTensor | None,
         inputs_embeds: torch.Tensor | None,
         position_ids: torch.LongTensor | None,
-        sequences: Sequences | None,
+        layout: AttentionLayout,
         past_length: int | torch.Tensor = 0,
     ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
-        """(token embeddings, the layers' input, the RoPE table or None). Positions continue after the cache, or
-        restart at each sequence of a flattened batch."""
-        check_stack_inputs(input_ids, inputs_embeds, self.config.d_model, self.argument_prefix)
+        """(token embeddings, the layers' input, the RoPE table or None). Positions continue after the cache, or,
+        in a flattened batch, restart at each sequence (the collator's position ids, below its longest sequence)."""
         if inputs_embeds is None:
-            # The lookup checks the ids itself, at no cost: on an accelerator its kernel asserts on the device, on a
-            # CPU it raises an IndexError that names nothing, replaced here.
-            name = "decoder_input_ids (or the labels shifted into them)" if self.argument_prefix else "input_ids"
-            vocab_size = self.config.vocab_size
-            with raises_value_error(
-                IndexError, f"{name} holds an id outside the vocabulary [0, vocab_size={vocab_size})"
-            ):
+            try:  # the lookup checks the ids itself, at no cost (on an accelerator its kernel asserts on the device)
                 inputs_embeds = self.embed_tokens(input_ids)
-        check_position_ids(position_ids, *inputs_embeds.shape[:2])
-        if position_ids is None and sequences is not None:
-            position_ids = sequences.positions(inputs_embeds.shape[:2])
-        positions_below = sequences.max_length if sequences is not None else None
+            except IndexError as error:
+                seq2seq_decoder = self.config.is_encoder_decoder and isinstance(self, VanillaTransformerDecoder)
+                name = "decoder_input_ids (or the labels shifted into them)" if seq2seq_decoder else "input_ids"
+                vocab_size = self.config.vocab_size
+                raise ValueError(f"{name} holds an id outside the vocabulary [0, {vocab_size=}): {error}") from None
+        positions_below = layout.queries.max_length if layout.queries is not None else None
         hidden_states, rotary = self.embed_positions(inputs_embeds, position_ids, past_length, positions_below)
-        if self.first_layer_run > 0:  # a later pipeline rank: `inputs_embeds` is the previous rank's output
-            return inputs_embeds, inputs_embeds, rotary
+        if isinstance(self.layers[0] if self.layers else None, PipelineIdentityLayer):
+            return inputs_embeds, inputs_embeds, rotary  # a later pipeline rank: `inputs_embeds` is the last's output
         return inputs_embeds, self.dropout(hidden_states), rotary
 
     @property
@@ -163,34 +902,6 @@ class VanillaTransformerStack(VanillaTransformerPreTrainedModel):
     def runs_last_layer(self) -> bool:
         """False on the ranks of a pipeline before the last, whose output goes on to the next rank's layers."""
         return len(self.layers) == 0 or not isinstance(self.layers[-1], PipelineIdentityLayer)
-
-    @property
-    def argument_prefix(self) -> str:
-        """How callers name this stack's inputs: "decoder_" (decoder_input_ids, ...) for the decoder of an
-        encoder-decoder."""
-        return "decoder_" if self.config.is_encoder_decoder and isinstance(self, VanillaTransformerDecoder) else ""
-
-    def final_norm(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.layer_norm(hidden_states) if self.layer_norm is not None and self.runs_last_layer else hidden_states
-
-    def flattened_sequences(self, kwargs: dict, input_ids, inputs_embeds, source_shape=None):
-        """A flattened batch's sequences, (this stack's own: "q" for a decoder or a single stack, "k" for the
-        encoder; the source's for cross-attention), taken out of the keyword arguments: the layers get them as
-        `AttentionLayout`s. Also what runs their attention (`layout_kernel`)."""
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError(f"Pass exactly one of input_ids or inputs_embeds to the {type(self).__name__}.")
-        offsets = {name: kwargs.pop(name) for name in FLATTENED_KEYWORDS if name in kwargs}
-        if not offsets:
-            return None, None, None
-        kernel = layout_kernel(self.config, self.embed_tokens.weight, self.training)
-        shape = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
-        own = Sequences.of(offsets, "k" if isinstance(self, VanillaTransformerEncoder) else "q", shape, kernel)
-        sources = Sequences.of(offsets, "k", source_shape, kernel) if source_shape is not None else None
-        return own, sources, kernel
-
-
-# The keywords of a flattened batch (cu_seq_lens_q is the target's or a single stack's, _k the source's).
-FLATTENED_KEYWORDS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
 
 class VanillaTransformerEncoder(VanillaTransformerStack):
@@ -215,27 +926,37 @@ class VanillaTransformerEncoder(VanillaTransformerStack):
         attention_mask: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
+        attention_layout: AttentionLayout | None = None,
+        check_inputs: bool = True,
         **kwargs: Unpack[TransformersKwargs],
     ) -> BaseModelOutput:  # MoeEncoderOutput with experts, which adds the router logits of its MoE layers
-        sources, _, kernel = self.flattened_sequences(kwargs, input_ids, inputs_embeds)
-        inputs_embeds, hidden_states, rotary = self.embed(input_ids, inputs_embeds, position_ids, sources)
-        batch_size, length = inputs_embeds.shape[:2]
-        attention_mask = checked_attention_mask(attention_mask, batch_size, length, length, "attention_mask")
-        if sources is None:
+        r"""
+        attention_layout (`AttentionLayout`, *optional*):
+            How its attention runs, built by the encoder-decoder for both stacks; built here when the encoder runs
+            alone (from `cu_seq_lens_q`/`max_length_q` for a flattened batch).
+        check_inputs (`bool`, defaults to `True`):
+            False where the caller (a head, the base model) checked the inputs.
+        """
+        if check_inputs:
+            check_stack_inputs(self.config, input_ids, inputs_embeds, attention_mask, position_ids, True, kwargs)
+        if attention_layout is None:
+            shape = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
+            attention_layout = stack_layout(self.config, kwargs, self.embed_tokens.weight, self.training, shape, False)
+        inputs_embeds, hidden_states, rotary = self.embed(input_ids, inputs_embeds, position_ids, attention_layout)
+        if attention_layout.queries is None:
             attention_mask = create_bidirectional_mask(
                 config=self.config,
                 inputs_embeds=inputs_embeds,
                 attention_mask=attention_mask,
                 allow_is_bidirectional_skip=attention_mask is None,  # deciding it from the mask's values would sync
             )
-        layout = (
-            None if sources is None else AttentionLayout.of(sources, sources, False, kernel, self.embed_tokens.weight)
-        )
         for layer in self.layers:
             hidden_states = layer(
-                hidden_states, attention_mask, position_embeddings=rotary, attention_layout=layout, **kwargs
+                hidden_states, attention_mask, position_embeddings=rotary, attention_layout=attention_layout, **kwargs
             )
-        return self.output_class(last_hidden_state=self.final_norm(hidden_states))
+        if self.layer_norm is not None and self.runs_last_layer:
+            hidden_states = self.layer_norm(hidden_states)
+        return self.output_class(last_hidden_state=hidden_states)
 
 
 class VanillaTransformerDecoder(VanillaTransformerStack):
@@ -270,61 +991,36 @@ class VanillaTransformerDecoder(VanillaTransformerStack):
         inputs_embeds: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
         use_cache: bool | None = None,
+        attention_layout: AttentionLayout | None = None,
+        cross_attention_layout: AttentionLayout | None = None,
+        check_inputs: bool = True,
         **kwargs: Unpack[TransformersKwargs],
     ) -> BaseModelOutputWithPastAndCrossAttentions:  # MoeDecoderOutput with experts, which adds the router logits
-        source_shape = encoder_hidden_states.shape[:2] if encoder_hidden_states is not None else None
-        targets, sources, kernel = self.flattened_sequences(kwargs, input_ids, inputs_embeds, source_shape)
-        if use_cache and past_key_values is None and targets is None:  # a flattened batch is a training batch
+        r"""
+        attention_layout, cross_attention_layout (`AttentionLayout`, *optional*):
+            How its self- and cross-attention run, built by the encoder-decoder for both stacks; built here when the
+            decoder runs alone.
+        check_inputs (`bool`, defaults to `True`):
+            False where the caller (a head, the base model) checked the inputs.
+        """
+        if check_inputs:
+            self.check_inputs(input_ids, attention_mask, encoder_hidden_states, encoder_attention_mask,
+                              past_key_values, inputs_embeds, position_ids, kwargs)  # fmt: skip
+        batch_size, length = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
+        if attention_layout is None:
+            attention_layout, cross_attention_layout = self.layouts(kwargs, (batch_size, length), encoder_hidden_states)
+        if use_cache and past_key_values is None and attention_layout.queries is None:  # flattened: a training batch
             past_key_values = self.new_cache()
-        first_layer = self.first_layer_run  # whose cache holds the decoded length
+        first_layer = self.first_layer_run if past_key_values is not None else 0  # whose cache holds the length
         past_length = past_key_values.get_seq_length(first_layer) if past_key_values is not None else 0
-        inputs_embeds, hidden_states, rotary = self.embed(input_ids, inputs_embeds, position_ids, targets, past_length)
-        batch_size, length = inputs_embeds.shape[:2]
-        self_attention_cache = (
-            past_key_values.self_attention_cache
-            if isinstance(past_key_values, EncoderDecoderCache)
-            else past_key_values
+        inputs_embeds, hidden_states, rotary = self.embed(
+            input_ids, inputs_embeds, position_ids, attention_layout, past_length
         )
-        # A static (compileable) cache's masks span the whole cache, whatever has been decoded.
-        static_cache = self_attention_cache is not None and self_attention_cache.is_compileable
-        key_length = None if static_cache else past_length + length
-        mask_name = f"{self.argument_prefix}attention_mask"
-        attention_mask = checked_attention_mask(attention_mask, batch_size, length, key_length, mask_name)
-        if targets is None:
-            # Position ids restarting at 0 without a mask mark sequences packed in one row; transformers finds them
-            # only without a cache, and a dynamic cache this forward starts empty changes nothing else in the mask.
-            starts_dynamic_cache = type(self_attention_cache) is DynamicCache and past_length == 0
-            attention_mask = create_causal_mask(
-                config=self.config,
-                inputs_embeds=inputs_embeds,
-                attention_mask=attention_mask,
-                past_key_values=None if starts_dynamic_cache else self_attention_cache,
-                position_ids=position_ids,
-                layer_idx=first_layer,
-                allow_is_causal_skip=attention_mask is None,  # deciding it from the mask's values would sync
-            )
-        if encoder_hidden_states is not None:
-            check_inputs_embeds(encoder_hidden_states, self.config.d_model, "encoder_outputs.last_hidden_state")
-            source_batch_size, source_length = encoder_hidden_states.shape[:2]
-            check_same_batch(f"{self.argument_prefix}input_ids", batch_size, "the encoder output", source_batch_size)
-            # The encoder checked the values of its mask, unless it did not run (given encoder outputs): see
-            # VanillaTransformerModel.forward.
-            encoder_attention_mask = checked_attention_mask(
-                encoder_attention_mask, batch_size, length, source_length, "attention_mask", check_values=False
-            )
-            if sources is None:
-                encoder_attention_mask = create_bidirectional_mask(
-                    config=self.config,
-                    inputs_embeds=inputs_embeds,
-                    attention_mask=encoder_attention_mask,
-                    encoder_hidden_states=encoder_hidden_states,
-                    allow_is_bidirectional_skip=encoder_attention_mask is None,
-                )
-        weight = self.embed_tokens.weight
-        self_attention_layout = AttentionLayout.of(targets, targets, True, kernel, weight)
-        cross_attention_layout = (
-            AttentionLayout.of(targets, sources, False, kernel, weight) if source_shape is not None else None
-        )
+        if attention_layout.queries is None:
+            attention_mask, encoder_attention_mask = self.padded_masks(
+                inputs_embeds, attention_mask, encoder_hidden_states, encoder_attention_mask, past_key_values,
+                position_ids, first_layer, past_length,
+            )  # fmt: skip
         for layer in self.layers:
             hidden_states = layer(
                 hidden_states,
@@ -333,11 +1029,72 @@ class VanillaTransformerDecoder(VanillaTransformerStack):
                 encoder_attention_mask=encoder_attention_mask,
                 position_embeddings=rotary,
                 past_key_values=past_key_values,
-                attention_layout=self_attention_layout,
+                attention_layout=attention_layout,
                 cross_attention_layout=cross_attention_layout,
                 **kwargs,
             )
-        return self.output_class(last_hidden_state=self.final_norm(hidden_states), past_key_values=past_key_values)
+        if self.layer_norm is not None and self.runs_last_layer:
+            hidden_states = self.layer_norm(hidden_states)
+        return self.output_class(last_hidden_state=hidden_states, past_key_values=past_key_values)
+
+    def check_inputs(
+        self, input_ids, attention_mask, encoder_hidden_states, encoder_attention_mask, past_key_values,
+        inputs_embeds, position_ids, kwargs,
+    ) -> None:  # fmt: skip
+        """The decoder run alone: its inputs, and those of the encoder-decoder it belongs to where it has one."""
+        if encoder_hidden_states is None:
+            static = getattr(past_key_values, "is_compileable", False)  # a static cache's masks span the whole cache
+            length = (input_ids if input_ids is not None else inputs_embeds).shape[1]
+            key_length = None if static else length + (past_key_values.get_seq_length() if past_key_values else 0)
+            check_stack_inputs(self.config, input_ids, inputs_embeds, attention_mask, position_ids, key_length, kwargs)
+            return
+        check_seq2seq_inputs(
+            self.config, None, encoder_attention_mask, None, (encoder_hidden_states,), input_ids, attention_mask,
+            inputs_embeds, past_key_values, kwargs=dict(kwargs, decoder_position_ids=position_ids),
+        )  # fmt: skip
+
+    def layouts(self, kwargs: dict, shape: tuple[int, int], encoder_hidden_states: torch.Tensor | None) -> tuple:
+        """The self- and cross-attention layouts of the decoder run alone (see `seq2seq_layouts`)."""
+        weight = self.embed_tokens.weight
+        if encoder_hidden_states is None:
+            return stack_layout(self.config, kwargs, weight, self.training, shape, True), None
+        source_shape = encoder_hidden_states.shape[:2]
+        _, attention_layout, cross_attention_layout = seq2seq_layouts(
+            self.config, kwargs, weight, self.training, source_shape, shape
+        )
+        return attention_layout, cross_attention_layout
+
+    def padded_masks(
+        self, inputs_embeds, attention_mask, encoder_hidden_states, encoder_attention_mask, past_key_values,
+        position_ids, first_layer: int, past_length: int,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
+        """transformers' causal mask over the cache and the target, and the mask over the encoder output."""
+        self_attention_cache = (
+            past_key_values.self_attention_cache
+            if isinstance(past_key_values, EncoderDecoderCache)
+            else past_key_values
+        )
+        # Position ids restarting at 0 without a mask mark sequences packed in one row; transformers finds them only
+        # without a cache, and a dynamic cache this forward starts empty changes nothing else in the mask.
+        starts_dynamic_cache = type(self_attention_cache) is DynamicCache and past_length == 0
+        attention_mask = create_causal_mask(
+            config=self.config,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            past_key_values=None if starts_dynamic_cache else self_attention_cache,
+            position_ids=position_ids,
+            layer_idx=first_layer,
+            allow_is_causal_skip=attention_mask is None,  # deciding it from the mask's values would sync
+        )
+        if encoder_hidden_states is not None:
+            encoder_attention_mask = create_bidirectional_mask(
+                config=self.config,
+                inputs_embeds=inputs_embeds,
+                attention_mask=encoder_attention_mask,
+                encoder_hidden_states=encoder_hidden_states,
+                allow_is_bidirectional_skip=encoder_attention_mask is None,
+            )
+        return attention_mask, encoder_attention_mask
 
 
 def base_model_class(config: VanillaTransformerConfig) -> type[VanillaTransformerPreTrainedModel]:
@@ -419,16 +1176,30 @@ class VanillaTransformerModel(VanillaTransformerPreTrainedModel):
         position_ids: torch.LongTensor | None = None,
         decoder_position_ids: torch.LongTensor | None = None,
         use_cache: bool | None = None,
+        check_inputs: bool = True,
         **kwargs: Unpack[TransformersKwargs],
     ) -> Seq2SeqModelOutput:  # Seq2SeqMoEModelOutput with experts
         r"""
         decoder_position_ids (`torch.LongTensor` of shape `(batch_size, target_length)`, *optional*):
             The target positions (default: 0, 1, ... after the cache; in a flattened batch, restarting at each
             sequence).
+        check_inputs (`bool`, defaults to `True`):
+            False where the caller (a head) checked the inputs.
 
         A flattened batch (`DataCollatorForSeq2SeqWithFlattening`) gives the offsets of its target sequences as
         `cu_seq_lens_q`/`max_length_q` and of its source sequences as `cu_seq_lens_k`/`max_length_k`.
         """
+        if check_inputs:
+            positions = dict(kwargs, position_ids=position_ids, decoder_position_ids=decoder_position_ids)
+            check_seq2seq_inputs(self.config, input_ids, attention_mask, inputs_embeds, encoder_outputs,
+                                 decoder_input_ids, decoder_attention_mask, decoder_inputs_embeds, past_key_values,
+                                 kwargs=positions)  # fmt: skip
+        source = encoder_outputs[0] if encoder_outputs is not None else input_ids if input_ids is not None else inputs_embeds
+        target = decoder_input_ids if decoder_input_ids is not None else decoder_inputs_embeds
+        # How each kind of attention runs, and a flattened batch's sequences: built once, for both stacks.
+        encoder_layout, decoder_layout, cross_layout = seq2seq_layouts(
+            self.config, kwargs, self.shared.weight, self.training, source.shape[:2], target.shape[:2]
+        )
         # Router logits describe the layers that run in this call: those of given encoder outputs (generate passes
         # them at every step, not expanded to the beams) are not returned.
         encoder_runs = encoder_outputs is None
@@ -439,14 +1210,12 @@ class VanillaTransformerModel(VanillaTransformerPreTrainedModel):
                 attention_mask=attention_mask,
                 inputs_embeds=inputs_embeds,
                 position_ids=position_ids,
+                attention_layout=encoder_layout,
+                check_inputs=False,
                 **kwargs,
             )
-        else:
-            if not isinstance(encoder_outputs, BaseModelOutput):
-                encoder_outputs = BaseModelOutput(*encoder_outputs)
-            if attention_mask is not None and attention_mask.dim() == 2:  # the encoder did not check its values
-                batch_size, source_length = encoder_outputs.last_hidden_state.shape[:2]
-                checked_attention_mask(attention_mask, batch_size, source_length, source_length, "attention_mask")
+        elif not isinstance(encoder_outputs, BaseModelOutput):
+            encoder_outputs = BaseModelOutput(*encoder_outputs)
         decoder_outputs = self.decoder(
             return_dict=True,
             input_ids=decoder_input_ids,
@@ -457,6 +1226,9 @@ class VanillaTransformerModel(VanillaTransformerPreTrainedModel):
             inputs_embeds=decoder_inputs_embeds,
             position_ids=decoder_position_ids,
             use_cache=use_cache,
+            attention_layout=decoder_layout,
+            cross_attention_layout=cross_layout,
+            check_inputs=False,
             **kwargs,
         )
         outputs = dict(
@@ -479,9 +1251,34 @@ class VanillaTransformerModel(VanillaTransformerPreTrainedModel):
 
 
 __all__ = [
-    "VanillaTransformerPreTrainedModel",
-    "VanillaTransformerEncoder",
+    "Dropout",
+    "FeedForward",
+    "GatedFeedForward",
+    "LearnedPositionalEmbedding",
+    "MoeCausalLMOutput",
+    "MoeDecoderOutput",
+    "MoeEncoderOutput",
+    "NoPositionalEmbedding",
+    "RotaryEmbedding",
+    "SinusoidalPositionalEmbedding",
+    "SublayerConnection",
+    "VanillaTransformerAttention",
     "VanillaTransformerDecoder",
-    "VanillaTransformerModel",
+    "VanillaTransformerDecoderLayer",
+    "VanillaTransformerEncoder",
+    "VanillaTransformerEncoderLayer",
     "VanillaTransformerExperts",
+    "VanillaTransformerLayer",
+    "VanillaTransformerModel",
+    "VanillaTransformerPreTrainedModel",
+    "VanillaTransformerRouter",
+    "VanillaTransformerSparseMoeBlock",
+    "build_feed_forward",
+    "build_norm",
+    "deepnorm_constants",
+    "dropped_token_counts",
+    "expert_capacity",
+    "ffn_activation",
+    "sinusoidal_position_encoding",
+    "within_capacity",
 ]

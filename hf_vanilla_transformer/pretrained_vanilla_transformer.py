@@ -103,8 +103,8 @@ class LoadSaveShardMixin:
 
     @classmethod
     def _can_set_experts_implementation(cls) -> bool:
-        # transformers greps the module of `cls` for "@use_experts_implementation"; the experts class lives with the
-        # router and the block in moe_vanilla_transformer.py, beside neither the models nor the heads.
+        # transformers greps the module of `cls` for "@use_experts_implementation"; the experts class lives in the
+        # modeling file, beside none of the heads.
         return True
 
     def get_correct_experts_implementation(self, requested_experts: str | None) -> str:

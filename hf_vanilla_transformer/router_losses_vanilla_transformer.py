@@ -1,4 +1,4 @@
-"""The router losses of a Mixture of Experts (moe_vanilla_transformer), and how they reach the gradient.
+"""The router losses of a Mixture of Experts (in the modeling file), and how they reach the gradient.
 
     balancing   E * sum_e f_e P_e per layer  (Switch Transformer eq. 4-6, mask-aware, Mixtral's function)
     z-loss      mean_tokens (logsumexp x)^2   (ST-MoE eq. 5)

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from measure import environment, time_alternating, write_results
 
-from hf_vanilla_transformer.dropout_vanilla_transformer import Dropout, cpu_samples_dropout_per_element, keep_mask
+from hf_vanilla_transformer.modeling_vanilla_transformer import Dropout, cpu_samples_dropout_per_element, keep_mask
 
 SHAPES = {
     "image demo (64, 17, 64)": (64, 17, 64),

@@ -73,8 +73,8 @@ from hf_vanilla_transformer import (
     VanillaTransformerModel,
     seq2seq_training_collator,
 )
-from hf_vanilla_transformer.moe_vanilla_transformer import SORTED_GROUPED_MM
-from hf_vanilla_transformer.packing_vanilla_transformer import varlen_kernel_runs
+from hf_vanilla_transformer.modeling_vanilla_transformer import SORTED_GROUPED_MM
+from hf_vanilla_transformer.packing_vanilla_transformer import varlen_kernel
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "training"))
 from run_common import ModelLossMixin, label_smoothed_loss  # noqa: E402  (after the sys.path entry above)
@@ -715,7 +715,7 @@ def attention_kernel_facts() -> dict:
         signature = str(inspect.signature(varlen_attn))
     except ImportError:
         signature = None
-    runs = varlen_kernel_runs("cuda", torch.bfloat16)
+    runs = varlen_kernel("sdpa", "cuda", torch.bfloat16) is not None
     return {"varlen_attn_signature": signature, "varlen_kernel_runs_cuda_bf16": runs}
 
 

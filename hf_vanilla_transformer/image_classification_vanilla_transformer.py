@@ -23,6 +23,7 @@ from transformers.utils import TransformersKwargs, can_return_tuple
 
 from .configuration_vanilla_transformer import VanillaTransformerConfig
 from .inputs_vanilla_transformer import check_sequence_classification_labels, labels_outside
+from .packing_vanilla_transformer import stack_layout
 from .modeling_vanilla_transformer import (
     Dropout,
     MoeEncoderOutput,
@@ -172,7 +173,11 @@ class VanillaTransformerImageEncoder(VanillaTransformerImagePreTrainedModel, Van
         self.post_init()
 
     def forward(self, pixel_values: torch.Tensor, **kwargs: Unpack[TransformersKwargs]) -> MoeEncoderOutput:
-        return super().forward(inputs_embeds=self.patch_embeddings(pixel_values), **kwargs)
+        patches = self.patch_embeddings(pixel_values)
+        # The layout an encoder builds from its token embedding's weight, here from the patch projection's.
+        weight, shape = self.patch_embeddings.projection.weight, patches.shape[:2]
+        layout = stack_layout(self.config, kwargs, weight, self.training, shape, causal=False)
+        return super().forward(inputs_embeds=patches, attention_layout=layout, **kwargs)
 
 
 class VanillaTransformerForImageClassification(VanillaTransformerImagePreTrainedModel):

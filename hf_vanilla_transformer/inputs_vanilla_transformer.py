@@ -164,6 +164,14 @@ def check_offsets(cu_seq_lens: Any, max_length: Any, shape: tuple[int, int], sid
 # ---------------------------------------------------------------------------------------------- entry points
 
 
+def mask_key_length(past_key_values: Any, length: int) -> int | None:
+    """The key length of a decoder's mask: the cache's and this forward's tokens, or None for a static cache, whose
+    masks span the whole cache."""
+    if getattr(past_key_values, "is_compileable", False):
+        return None
+    return length + (past_key_values.get_seq_length() if past_key_values is not None else 0)
+
+
 def check_stack_inputs(
     config,
     input_ids: torch.Tensor | None,
@@ -230,11 +238,8 @@ def check_seq2seq_inputs(
         check_attention_mask(attention_mask, source.shape[0], 1, source.shape[1], "attention_mask")
     target = decoder_input_ids if decoder_input_ids is not None else decoder_inputs_embeds
     if target is not None:
-        static = getattr(past_key_values, "is_compileable", False)  # a static cache's masks span the whole cache
-        past_length = 0 if past_key_values is None else past_key_values.get_seq_length()
-        key_length = None if static else past_length + target.shape[1]
-        positions = kwargs.get("decoder_position_ids")
-        mask = decoder_attention_mask
+        mask, positions = decoder_attention_mask, kwargs.get("decoder_position_ids")
+        key_length = mask_key_length(past_key_values, target.shape[1]) if mask is not None else None
         check_stack_inputs(config, decoder_input_ids, decoder_inputs_embeds, mask, positions, key_length, None, "decoder_")
     if skip_logits and labels is None:
         raise ValueError(SKIP_LOGITS_WITHOUT_LABELS)
@@ -338,6 +343,7 @@ __all__ = [
     "SKIP_LOGITS_WITHOUT_LABELS",
     "check_stack_inputs",
     "check_token_ids",
+    "mask_key_length",
     "current_tokens",
     "labels_outside",
     "raises_value_error",

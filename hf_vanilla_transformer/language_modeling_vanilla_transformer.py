@@ -30,6 +30,7 @@ from .inputs_vanilla_transformer import (
     SKIP_LOGITS_WITHOUT_LABELS,
     check_stack_inputs,
     current_tokens,
+    mask_key_length,
 )
 from .modeling_vanilla_transformer import (
     MoeCausalLMOutput,
@@ -260,11 +261,10 @@ class VanillaTransformerForCausalLM(LanguageModelingHead, VanillaTransformerGene
         With experts the output is a `MoeCausalLMOutput` (Mixtral's, plus `z_loss`); the weighted router losses are
         already in the gradient of any loss built from `logits` (see `attach_router_loss`).
         """
-        static = getattr(past_key_values, "is_compileable", False)  # a static cache's masks span the whole cache
         inputs = input_ids if input_ids is not None else inputs_embeds
-        past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
-        key_length = None if static or inputs is None else past_length + inputs.shape[1]
-        check_stack_inputs(self.config, input_ids, inputs_embeds, attention_mask, position_ids, key_length, kwargs, labels=labels)
+        key_length = mask_key_length(past_key_values, inputs.shape[1]) if attention_mask is not None else None
+        check_stack_inputs(self.config, input_ids, inputs_embeds, attention_mask, position_ids, key_length, kwargs,
+                           labels=labels)  # fmt: skip
         targets = self.next_token_targets(labels, kwargs.get("shift_labels"))
         if skip_logits and targets is None:
             raise ValueError(SKIP_LOGITS_WITHOUT_LABELS)

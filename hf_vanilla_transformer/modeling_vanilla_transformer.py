@@ -42,7 +42,7 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_vanilla_transformer import GATED_FFN_TYPES, Stack, VanillaTransformerConfig
-from .inputs_vanilla_transformer import check_seq2seq_inputs, check_stack_inputs, require
+from .inputs_vanilla_transformer import check_seq2seq_inputs, check_stack_inputs, mask_key_length, require
 from .moe_kernels_vanilla_transformer import (
     EXPERTS_FUNCTIONS,
     SORTED_GROUPED_MM,
@@ -336,11 +336,13 @@ class SublayerConnection(nn.Module):
         """The stream after the sub-layer: its dropped-out output added to the residual, normalised per placement."""
         if self.sandwich_norm is not None:
             sublayer_output = self.sandwich_norm(sublayer_output)
+        if self.training:  # dropout is the identity in eval: decoding skips the module call at every step
+            sublayer_output = self.dropout(sublayer_output)
         if self.norm_first:
-            return residual + self.dropout(sublayer_output)
+            return residual + sublayer_output
         # alpha = 1 (post-LN) would cost a full-size multiply forward and backward for nothing.
         scaled = residual if self.residual_scale == 1.0 else self.residual_scale * residual
-        return self.norm(scaled + self.dropout(sublayer_output))
+        return self.norm(scaled + sublayer_output)
 
 # ----------------------------------------------------------------------------------------- feed-forward networks
 #
@@ -377,7 +379,8 @@ class FeedForward(nn.Module):
         self.activation_dropout = Dropout(config.activation_dropout)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.activation_dropout(self.act_fn(self.fc1(hidden_states))))
+        hidden_states = self.act_fn(self.fc1(hidden_states))
+        return self.fc2(self.activation_dropout(hidden_states) if self.training else hidden_states)
 
 
 class GatedFeedForward(nn.Module):
@@ -394,7 +397,7 @@ class GatedFeedForward(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         gated = self.act_fn(self.gate_proj(hidden_states)) * self.up_proj(hidden_states)
-        return self.down_proj(self.activation_dropout(gated))
+        return self.down_proj(self.activation_dropout(gated) if self.training else gated)
 
 
 def build_feed_forward(config: VanillaTransformerConfig, ffn_dim: int) -> nn.Module:
@@ -885,18 +888,23 @@ class VanillaTransformerStack(VanillaTransformerPreTrainedModel):
                 name = "decoder_input_ids (or the labels shifted into them)" if seq2seq_decoder else "input_ids"
                 vocab_size = self.config.vocab_size
                 raise ValueError(f"{name} holds an id outside the vocabulary [0, {vocab_size=}): {error}") from None
-        positions_below = layout.queries.max_length if layout.queries is not None else None
+        positions_below = None
+        if layout.queries is not None:  # a flattened batch: positions restart at each sequence, below its longest
+            positions_below = layout.queries.max_length
+            position_ids = layout.queries.positions(inputs_embeds.shape[:2]) if position_ids is None else position_ids
         hidden_states, rotary = self.embed_positions(inputs_embeds, position_ids, past_length, positions_below)
-        if isinstance(self.layers[0] if self.layers else None, PipelineIdentityLayer):
-            return inputs_embeds, inputs_embeds, rotary  # a later pipeline rank: `inputs_embeds` is the last's output
-        return inputs_embeds, self.dropout(hidden_states), rotary
+        if self.first_layer_run > 0:  # a later pipeline rank: `inputs_embeds` is the previous rank's output
+            return inputs_embeds, inputs_embeds, rotary
+        return inputs_embeds, self.dropout(hidden_states) if self.training else hidden_states, rotary
 
     @property
     def first_layer_run(self) -> int:
         """The index of the first layer this rank runs: 0, but on the later ranks of a pipeline, where transformers'
         engine has replaced the layers of the ranks before by identities and passes their output as `inputs_embeds`."""
-        run = (index for index, layer in enumerate(self.layers) if not isinstance(layer, PipelineIdentityLayer))
-        return next(run, 0)
+        layers = self.layers._modules.values()  # read at every decoding step: no ModuleList calls
+        if not layers or not isinstance(next(iter(layers)), PipelineIdentityLayer):
+            return 0
+        return next((index for index, layer in enumerate(layers) if not isinstance(layer, PipelineIdentityLayer)), 0)
 
     @property
     def runs_last_layer(self) -> bool:
@@ -1011,7 +1019,7 @@ class VanillaTransformerDecoder(VanillaTransformerStack):
             attention_layout, cross_attention_layout = self.layouts(kwargs, (batch_size, length), encoder_hidden_states)
         if use_cache and past_key_values is None and attention_layout.queries is None:  # flattened: a training batch
             past_key_values = self.new_cache()
-        first_layer = self.first_layer_run if past_key_values is not None else 0  # whose cache holds the length
+        first_layer = self.first_layer_run  # whose cache holds the decoded length
         past_length = past_key_values.get_seq_length(first_layer) if past_key_values is not None else 0
         inputs_embeds, hidden_states, rotary = self.embed(
             input_ids, inputs_embeds, position_ids, attention_layout, past_length
@@ -1043,9 +1051,8 @@ class VanillaTransformerDecoder(VanillaTransformerStack):
     ) -> None:  # fmt: skip
         """The decoder run alone: its inputs, and those of the encoder-decoder it belongs to where it has one."""
         if encoder_hidden_states is None:
-            static = getattr(past_key_values, "is_compileable", False)  # a static cache's masks span the whole cache
-            length = (input_ids if input_ids is not None else inputs_embeds).shape[1]
-            key_length = None if static else length + (past_key_values.get_seq_length() if past_key_values else 0)
+            inputs = input_ids if input_ids is not None else inputs_embeds
+            key_length = mask_key_length(past_key_values, inputs.shape[1]) if attention_mask is not None else None
             check_stack_inputs(self.config, input_ids, inputs_embeds, attention_mask, position_ids, key_length, kwargs)
             return
         check_seq2seq_inputs(

@@ -108,7 +108,8 @@ class Sequences:
             return cls(cu_seq_lens, max_length)
         if shape[0] > 1:
             tokens = torch.arange(shape[0] * shape[1], dtype=torch.int32, device=cu_seq_lens.device)
-            return cls(cu_seq_lens, max_length, row_sequences=torch.searchsorted(cu_seq_lens[1:], tokens, right=True))
+            row_sequences = torch.searchsorted(cu_seq_lens[1:], tokens, right=True).view(shape)
+            return cls(cu_seq_lens, max_length, row_sequences=row_sequences)
         starts, ends = cu_seq_lens[:-1].long(), cu_seq_lens[1:].long()
         cells = torch.arange(max_length, device=starts.device)
         # A cell past its sequence's end reads the sequence's last token (any real row would do: the mask hides it),
@@ -120,6 +121,12 @@ class Sequences:
         # read, and without one they would be NaN, which backward would spread.
         visible = cells < (ends - starts).clamp(min=1)[:, None]
         return cls(cu_seq_lens, max_length, reads.flatten(), sequence, tokens - starts[sequence], visible)
+
+    def positions(self, shape: tuple[int, int]) -> torch.Tensor:
+        """`shape`: each token's position in its own sequence, 0 at each start (where the batch gives none)."""
+        tokens = torch.arange(shape[0] * shape[1], device=self.cu_seq_lens.device)
+        starts = self.cu_seq_lens.long()
+        return (tokens - starts[torch.searchsorted(starts[1:], tokens, right=True)]).view(shape)
 
 
 @dataclass(frozen=True)
@@ -136,9 +143,9 @@ class AttentionLayout:
     mask: torch.Tensor | None = None
 
     @classmethod
-    def of(cls, config, queries, keys, causal: bool, kernel: str | None, dtype, device, longest: int):
+    def of(cls, implementation: str, queries, keys, causal: bool, kernel: str | None, dtype, device, longest: int):
         """The layout of a padded batch (`queries`, `keys` None) or of the given sequences, run by `kernel`
-        (`varlen_kernel`) or, without one, by the config's attention implementation under a mask."""
+        (`varlen_kernel`) or, without one, by the model's attention `implementation` under a mask."""
         if kernel in VARLEN_IMPLEMENTATIONS:
             offsets = dict(cu_seq_lens_q=queries.cu_seq_lens, cu_seq_lens_k=keys.cu_seq_lens)
             offsets.update(max_length_q=queries.max_length, max_length_k=keys.max_length)
@@ -146,7 +153,6 @@ class AttentionLayout:
         if kernel is not None:
             kernel_function = torch_varlen_attention if kernel == "torch" else flash_attn_attention
             return cls(partial(kernel_function, queries=queries, keys=keys), queries, keys)
-        implementation = config._attn_implementation
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
         if (
             implementation == "sdpa"
@@ -183,19 +189,24 @@ def seq2seq_layouts(config, kwargs: dict, weight: torch.Tensor, training: bool, 
     # Autocast's dtype where it is on (the Trainer's bf16 keeps float32 weights), else the weights'.
     device = weight.device
     dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else weight.dtype
+    implementation = config._attn_implementation
     if offsets.get("cu_seq_lens_q") is None:
-        longest = max(source_shape[1], target_shape[1])
-        padded = AttentionLayout.of(config, None, None, False, None, dtype, device, longest)
-        return padded, padded, padded  # the causal mask is the decoder's own
+        # Padded: transformers' attention under the stacks' masks (the causal one is the decoder's own).
+        source, target = source_shape[1], target_shape[1]
+        return (
+            AttentionLayout.of(implementation, None, None, False, None, dtype, device, source),
+            AttentionLayout.of(implementation, None, None, False, None, dtype, device, target),
+            AttentionLayout.of(implementation, None, None, False, None, dtype, device, max(source, target)),
+        )
     dropout = config.attention_dropout if training else 0.0
-    kernel = varlen_kernel(config._attn_implementation, device, dtype, dropout)
+    kernel = varlen_kernel(implementation, device, dtype, dropout)
     sources = Sequences.of(offsets["cu_seq_lens_k"], offsets["max_length_k"], source_shape, kernel)
     targets = Sequences.of(offsets["cu_seq_lens_q"], offsets["max_length_q"], target_shape, kernel)
     longest = max(sources.max_length, targets.max_length)
     return (
-        AttentionLayout.of(config, sources, sources, False, kernel, dtype, device, longest),
-        AttentionLayout.of(config, targets, targets, True, kernel, dtype, device, longest),
-        AttentionLayout.of(config, targets, sources, False, kernel, dtype, device, longest),
+        AttentionLayout.of(implementation, sources, sources, False, kernel, dtype, device, longest),
+        AttentionLayout.of(implementation, targets, targets, True, kernel, dtype, device, longest),
+        AttentionLayout.of(implementation, targets, sources, False, kernel, dtype, device, longest),
     )
 
 
@@ -206,12 +217,13 @@ def stack_layout(config, kwargs: dict, weight: torch.Tensor, training: bool, sha
     # Autocast's dtype where it is on (the Trainer's bf16 keeps float32 weights), else the weights'.
     device = weight.device
     dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else weight.dtype
+    implementation = config._attn_implementation
     if offsets.get("cu_seq_lens_q") is None:
-        return AttentionLayout.of(config, None, None, causal, None, dtype, device, shape[1])
+        return AttentionLayout.of(implementation, None, None, causal, None, dtype, device, shape[1])
     dropout = config.attention_dropout if training else 0.0
-    kernel = varlen_kernel(config._attn_implementation, device, dtype, dropout)
+    kernel = varlen_kernel(implementation, device, dtype, dropout)
     sequences = Sequences.of(offsets["cu_seq_lens_q"], offsets["max_length_q"], shape, kernel)
-    return AttentionLayout.of(config, sequences, sequences, causal, kernel, dtype, device, sequences.max_length)
+    return AttentionLayout.of(implementation, sequences, sequences, causal, kernel, dtype, device, sequences.max_length)
 
 
 def under_math_sdpa(attention: Callable, *args, **kwargs):

@@ -32,7 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import MarianMTModel
 from transformers.cache_utils import DynamicLayer
 
-import hf_vanilla_transformer.dropout_vanilla_transformer as dropout_module
+import hf_vanilla_transformer.modeling_vanilla_transformer as dropout_module
 from hf_vanilla_transformer import (
     VanillaTransformerConfig,
     VanillaTransformerForCausalLM,

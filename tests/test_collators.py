@@ -21,6 +21,7 @@ from hf_vanilla_transformer import (
     seq2seq_training_collator,
 )
 from hf_vanilla_transformer import collators_vanilla_transformer as collators
+from hf_vanilla_transformer import packing_vanilla_transformer as packing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "training"))
 from training_batches import TokenBudgetBatchSampler  # noqa: E402
@@ -141,7 +142,7 @@ def test_a_batch_with_more_pairs_than_slots_is_refused():
 def test_the_cpu_trains_on_flattened_batches():
     """On the CPU the flattened layout's savings in every position-wise layer outweigh its attention fallback."""
     model = translation_model(attention_dropout=0.1)
-    with mock.patch.object(collators, "varlen_kernel_runs", side_effect=AssertionError("not asked on the CPU")):
+    with mock.patch.object(collators, "varlen_kernel", side_effect=AssertionError("not asked on the CPU")):
         assert preferred_layout(model, "cpu", half_precision=False) == "flattened"
         assert preferred_layout(model, torch.device("cpu"), half_precision=True) == "flattened"
 
@@ -150,18 +151,27 @@ def test_the_cpu_trains_on_flattened_batches():
 @pytest.mark.parametrize("half_precision", [True, False])
 def test_cuda_trains_flattened_only_where_a_varlen_kernel_runs(kernel_runs, half_precision):
     model = translation_model(attention_dropout=0.0)
-    kernel = mock.Mock(return_value=kernel_runs)
-    with mock.patch.object(collators, "varlen_kernel_runs", kernel):
+    kernel = mock.Mock(return_value="torch" if kernel_runs else None)
+    with mock.patch.object(collators, "varlen_kernel", kernel):
         layout = preferred_layout(model, "cuda:0", half_precision=half_precision)
     assert layout == ("flattened" if kernel_runs else "padded")
-    device, dtype, dropout = kernel.call_args.args
+    implementation, device, dtype, dropout = kernel.call_args.args  # what the model asks when it runs
+    assert implementation == model.config._attn_implementation
     assert torch.device(device) == torch.device("cuda:0") and dropout == 0.0
     assert dtype == (torch.bfloat16 if half_precision else torch.float32)
 
 
 def test_attention_dropout_keeps_cuda_on_padded_batches():
-    """The variable-length kernels have no attention dropout: a model with it takes padded batches on a GPU."""
-    assert preferred_layout(translation_model(attention_dropout=0.1), "cuda", half_precision=True) == "padded"
+    """torch's variable-length kernel has no attention dropout: a model with it takes padded batches on a GPU, unless
+    flash-attn is installed (its kernel has dropout) or the model runs transformers' flash integration, which the
+    model then runs on the offsets: the collator and the model ask the same `varlen_kernel`."""
+    with mock.patch.object(packing, "FLASH_ATTN_INSTALLED", False):
+        assert preferred_layout(translation_model(attention_dropout=0.1), "cuda", half_precision=True) == "padded"
+    with mock.patch.object(packing, "FLASH_ATTN_INSTALLED", True):
+        assert preferred_layout(translation_model(attention_dropout=0.1), "cuda", half_precision=True) == "flattened"
+    flash_3 = translation_model(attention_dropout=0.1)
+    flash_3.config._attn_implementation = "flash_attention_3"
+    assert preferred_layout(flash_3, "cuda", half_precision=True) == "flattened"
 
 
 def word_tokenizer() -> PreTrainedTokenizerFast:
@@ -193,7 +203,7 @@ def test_the_training_collator_follows_the_layout_and_keeps_transformers_models_
         padded = seq2seq_training_collator(marian, tokenizer, device="cpu", half_precision=False)
     assert type(padded) is DataCollatorForSeq2Seq and padded.pad_to_multiple_of == 8
     assert "the padded layout (a marian model" in caplog.text
-    with mock.patch.object(collators, "varlen_kernel_runs", return_value=False):
+    with mock.patch.object(collators, "varlen_kernel", return_value=None):
         padded = seq2seq_training_collator(model, tokenizer, device="cuda", half_precision=True, pad_to_multiple_of=64)
     assert type(padded) is DataCollatorForSeq2Seq and padded.pad_to_multiple_of == 64
 

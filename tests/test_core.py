@@ -25,7 +25,7 @@ from hf_vanilla_transformer import (
     VanillaTransformerForConditionalGeneration,
     VanillaTransformerModel,
 )
-from hf_vanilla_transformer.positions_vanilla_transformer import sinusoidal_position_encoding
+from hf_vanilla_transformer.modeling_vanilla_transformer import sinusoidal_position_encoding
 
 
 def seq2seq(**overrides) -> VanillaTransformerForConditionalGeneration:

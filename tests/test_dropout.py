@@ -24,8 +24,8 @@ from hf_vanilla_transformer import (
     VanillaTransformerForSequenceClassification,
     image_classification_config,
 )
-from hf_vanilla_transformer import dropout_vanilla_transformer as dropout_module
-from hf_vanilla_transformer.dropout_vanilla_transformer import Dropout
+from hf_vanilla_transformer import modeling_vanilla_transformer as dropout_module
+from hf_vanilla_transformer.modeling_vanilla_transformer import Dropout
 
 
 def per_element_cpu(answer: bool):

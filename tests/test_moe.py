@@ -28,8 +28,8 @@ from hf_vanilla_transformer import (
     VanillaTransformerForMaskedLM,
     VanillaTransformerForSequenceClassification,
 )
-from hf_vanilla_transformer.feed_forward_vanilla_transformer import ffn_activation
-from hf_vanilla_transformer.moe_vanilla_transformer import (
+from hf_vanilla_transformer.modeling_vanilla_transformer import ffn_activation
+from hf_vanilla_transformer.modeling_vanilla_transformer import (
     SORTED_GROUPED_MM,
     VanillaTransformerExperts,
     VanillaTransformerRouter,
@@ -39,7 +39,7 @@ from hf_vanilla_transformer.moe_vanilla_transformer import (
     sorted_grouped_mm_experts_forward,
     within_capacity,
 )
-from hf_vanilla_transformer.norms_vanilla_transformer import SublayerConnection
+from hf_vanilla_transformer.modeling_vanilla_transformer import SublayerConnection
 from hf_vanilla_transformer.router_losses_vanilla_transformer import load_balancing_loss, router_z_loss
 
 
@@ -353,7 +353,7 @@ def test_capacity_bounds_each_expert_and_dropped_tokens_keep_their_residual(expe
     skipped = ~kept.any(dim=-1)
     assert skipped.sum() > 0
     assert torch.equal(output[skipped], torch.zeros_like(output[skipped]))
-    after = residual(hidden, moe).reshape(-1, 32)
+    after = residual(hidden, moe(residual.norm(hidden))).reshape(-1, 32)
     assert torch.equal(after[skipped], hidden.reshape(-1, 32)[skipped])
     # Tokens that kept all their experts get exactly the dropless output.
     dropless = block(experts_implementation, norm_position="pre")

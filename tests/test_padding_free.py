@@ -27,7 +27,7 @@ from hf_vanilla_transformer import (
     VanillaTransformerForTokenClassification,
 )
 from hf_vanilla_transformer import packing_vanilla_transformer as packing
-from hf_vanilla_transformer.packing_vanilla_transformer import Sequences, packed_attention
+from hf_vanilla_transformer.packing_vanilla_transformer import Sequences
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from aten_op_counts import OpNames, per_sequence_attention, varlen_kernel_stand_in  # noqa: E402
@@ -280,13 +280,19 @@ def attention_case(kind: str, implementation: str = "sdpa", empty_sequence: bool
     return module, query, key, value, queries, keys
 
 
-def layout_of(queries, keys, causal: bool, kernel: str | None) -> packing.AttentionLayout:
+def layout_of(module, queries, keys, causal: bool, kernel: str | None) -> packing.AttentionLayout:
     def sequences(offsets):
         lengths = offsets[1:] - offsets[:-1]
-        offsets_kwargs = {"cu_seq_lens_q": offsets, "max_length_q": int(lengths.max())}
-        return Sequences.of(offsets_kwargs, "q", (1, int(offsets[-1])), kernel)
+        return Sequences.of(offsets, int(lengths.max()), (1, int(offsets[-1])), kernel)
 
-    return packing.AttentionLayout.of(sequences(queries), sequences(keys), causal, kernel, torch.ones(1))
+    queries, keys = sequences(queries), sequences(keys)
+    longest = max(queries.max_length, keys.max_length)
+    return packing.AttentionLayout.of(module.config, queries, keys, causal, kernel, torch.float32, "cpu", longest)
+
+
+def packed_attention(module, query, key, value, layout: packing.AttentionLayout):
+    """One attention call as the model makes it: the layout's function, under its mask."""
+    return layout.attention(module, query, key, value, layout.mask, scaling=0.3)
 
 
 def heads_first(*tensors):
@@ -302,9 +308,9 @@ def test_packed_attention_equals_attention_per_sequence(kind, implementation, em
     back) against torch's SDPA run on each sequence alone; cross-attention with other query and key sequences; empty
     sequences (fixed slots) change nothing and leave the gradient finite."""
     module, query, key, value, queries, keys = attention_case(kind, implementation, empty_sequence)
-    layout = layout_of(queries, keys, kind == "causal self", kernel=None)
+    layout = layout_of(module, queries, keys, kind == "causal self", kernel=None)
     inputs = [tensor.requires_grad_() for tensor in heads_first(query, key, value)]
-    output, _ = packed_attention(module, *inputs, None, scaling=0.3, layout=layout)
+    output, _ = packed_attention(module, *inputs, layout)
     expected = per_sequence_attention(query, key, value, queries, keys, 0.3, kind == "causal self")
     torch.testing.assert_close(output[0], expected, rtol=1e-5, atol=1e-6)
     output.sum().backward()
@@ -356,17 +362,13 @@ def test_packed_attention_calls_each_varlen_kernel_as_documented(kind, kernel):
     name, signature, stand_in = KERNEL_STAND_INS[kernel]
     module, query, key, value, queries, keys = attention_case(kind)
     inputs = heads_first(query, key, value)
-    expected, _ = packed_attention(
-        module, *inputs, None, scaling=0.3, layout=layout_of(queries, keys, kind == "causal self", kernel=None)
-    )
+    expected, _ = packed_attention(module, *inputs, layout_of(module, queries, keys, kind == "causal self", None))
     with (
         mock.patch.object(packing, "VARLEN_SIGNATURE", signature),
         mock.patch.object(packing, "varlen_attn", stand_in),
         mock.patch("transformers.modeling_flash_attention_utils._flash_attention_forward", stand_in),
     ):
-        output, _ = packed_attention(
-            module, *inputs, None, scaling=0.3, layout=layout_of(queries, keys, kind == "causal self", kernel=name)
-        )
+        output, _ = packed_attention(module, *inputs, layout_of(module, queries, keys, kind == "causal self", name))
     assert output.shape == (1, int(queries[-1]), 4, 8)
     torch.testing.assert_close(output, expected, rtol=1e-5, atol=1e-6)
 
@@ -407,21 +409,21 @@ def test_the_varlen_kernel_is_chosen_by_device_dtype_and_dropout(
         mock.patch.object(packing, "VARLEN_SIGNATURE", signature),
         mock.patch.object(packing, "FLASH_ATTN_INSTALLED", flash_attn),
     ):
-        assert packing.varlen_kernel(device, dtype, dropout) == expected
-        assert packing.varlen_kernel_runs(device, dtype, dropout) == (expected is not None)
+        assert packing.varlen_kernel("sdpa", device, dtype, dropout) == expected
+        # transformers' flash integration reads the offsets itself, whatever torch offers
+        assert packing.varlen_kernel("flash_attention_3", device, dtype, dropout) == "flash_attention_3"
 
 
 def test_sequences_positions_and_grid():
     """The fallback's grid: each cell's token (past a sequence's end its last token, an empty sequence's the token
     before), each token's cell, the visible keys (one in an empty sequence)."""
     offsets = torch.tensor([0, 3, 4, 4, 6], dtype=torch.int32)
-    sequences = Sequences.of({"cu_seq_lens_q": offsets, "max_length_q": 3}, "q", (1, 6), kernel=None)
-    assert sequences.positions((1, 6)).tolist() == [[0, 1, 2, 0, 0, 1]]
-    grid = sequences.grid
+    grid = Sequences.of(offsets, 3, (1, 6), kernel=None)
+    assert grid.positions((1, 6)).tolist() == [[0, 1, 2, 0, 0, 1]]
     assert grid.reads.view(4, 3).tolist() == [[0, 1, 2], [3, 3, 3], [3, 3, 3], [4, 5, 5]]
     assert grid.sequence.tolist() == [0, 0, 0, 1, 3, 3] and grid.position.tolist() == [0, 1, 2, 0, 0, 1]
     assert grid.visible.int().tolist() == [[1, 1, 1], [1, 0, 0], [1, 0, 0], [1, 1, 0]]
-    assert Sequences.of({"cu_seq_lens_q": offsets, "max_length_q": 3}, "q", (1, 6), kernel="torch").grid is None
+    assert Sequences.of(offsets, 3, (1, 6), kernel="torch").reads is None
 
 
 @pytest.mark.parametrize("model_class", [VanillaTransformerForConditionalGeneration, VanillaTransformerForCausalLM])
@@ -510,14 +512,14 @@ def test_packed_rows_must_hold_whole_sequences_as_many_on_both_sides():
     with pytest.raises(ValueError, match="cu_seq_lens_k must .* none across two of the 2 rows of 12 tokens"):
         model(**across)
     fewer_rows = dict(batch, input_ids=batch["input_ids"][:1], position_ids=batch["position_ids"][:1])
-    with pytest.raises(ValueError, match="as many source rows as target rows, got 1 and 2"):
+    with pytest.raises(ValueError, match=r"batch size 2 but the source has 1: .* as many source rows as target rows"):
         model(**fewer_rows)
 
 
-def test_the_fallback_builds_its_indices_once_per_stack():
-    """The sequences' grids and masks are built once per stack forward, not in every attention call: a flattened
-    training step dispatches as many index-building ops (`searchsorted`, one per grid: the encoder's source grid,
-    the decoder's target and source grids) with 4 layers as with 1, and one gather per query, key and value."""
+def test_the_fallback_builds_its_indices_once_per_model_forward():
+    """The sequences' grids and masks are built once per model forward, not in every attention call nor per stack: a
+    flattened training step dispatches as many index-building ops (`searchsorted`, one per grid: the source's, which
+    both stacks read, and the target's) with 4 layers as with 1, and one gather per query, key and value."""
 
     def ops(layers: int) -> collections.Counter[str]:
         model = build(VanillaTransformerForConditionalGeneration, encoder_layers=layers, decoder_layers=layers)
@@ -527,6 +529,6 @@ def test_the_fallback_builds_its_indices_once_per_stack():
         return counter.names
 
     one, four = ops(1), ops(4)
-    assert one["searchsorted"] == four["searchsorted"] == 3
+    assert one["searchsorted"] == four["searchsorted"] == 2
     attention_calls = 4 * 3  # per layer: encoder self-, decoder self- and cross-attention
     assert four["index_select"] == 3 * attention_calls  # query, key, value into the grid

@@ -15,16 +15,24 @@ from hf_vanilla_transformer import (
     VanillaTransformerForConditionalGeneration,
     VanillaTransformerForMaskedLM,
 )
-from hf_vanilla_transformer.layers_vanilla_transformer import SHORT_SEQUENCE_ON_CPU
+from hf_vanilla_transformer.packing_vanilla_transformer import SHORT_SEQUENCE_ON_CPU, AttentionLayout
 
 
-def test_post_norm_residual_is_layernorm_of_sum():
-    """norm_position='post' is LayerNorm(x + sublayer(x)) (§3.1), with no residual scaling."""
+def test_post_norm_layer_is_layernorm_of_sum():
+    """norm_position='post' is LayerNorm(x + sublayer(x)) around each sub-layer (§3.1), with no residual scaling:
+    an encoder layer, run as the model runs it, equals the two post-norm formulas applied by hand."""
     model = VanillaTransformerForConditionalGeneration(tiny_config()).eval()
-    connection = model.model.encoder.layers[0].mlp_connection
+    layer = model.model.encoder.layers[0]
+    for norm in (layer.self_attn_connection.norm, layer.mlp_connection.norm):  # not the identity they start as
+        torch.nn.init.normal_(norm.weight)
+        torch.nn.init.normal_(norm.bias)
     x = torch.randn(2, 5, 32)
-    expected = torch.nn.functional.layer_norm(x + 2 * x, (32,), connection.norm.weight, connection.norm.bias, 1e-5)
-    torch.testing.assert_close(connection(x, lambda h: 2 * h), expected)
+    layout = AttentionLayout.of(model.config, None, None, False, None, torch.float32, "cpu", 5)
+    with torch.no_grad():
+        attention, _ = layer.self_attn(x, None, layout)
+        attended = layer.self_attn_connection.norm(x + attention)
+        expected = layer.mlp_connection.norm(attended + layer.mlp(attended))
+        torch.testing.assert_close(layer(x, None, attention_layout=layout), expected)
 
 
 def flash_kernel_use_in_a_step(model, batch, dtype: torch.dtype, grad: bool) -> set[bool]:

@@ -21,9 +21,9 @@ from hf_vanilla_transformer import (
     VanillaTransformerForConditionalGeneration,
     VanillaTransformerForSequenceClassification,
 )
-from hf_vanilla_transformer.feed_forward_vanilla_transformer import build_feed_forward
-from hf_vanilla_transformer.norms_vanilla_transformer import SublayerConnection, build_norm, deepnorm_constants
-from hf_vanilla_transformer.positions_vanilla_transformer import RotaryEmbedding, sinusoidal_position_encoding
+from hf_vanilla_transformer.modeling_vanilla_transformer import build_feed_forward
+from hf_vanilla_transformer.modeling_vanilla_transformer import SublayerConnection, build_norm, deepnorm_constants
+from hf_vanilla_transformer.modeling_vanilla_transformer import RotaryEmbedding, sinusoidal_position_encoding
 
 NORM_TYPES = ["layernorm", "rmsnorm"]
 NORM_POSITIONS = ["post", "pre", "sandwich", "deepnorm"]
@@ -75,7 +75,8 @@ def test_sublayer_connection_matches_its_formula(norm_position: str) -> None:
         "deepnorm": lambda: norm(1.7 * x + sublayer(x)),
     }[norm_position]()
     assert (second is not None) == (norm_position == "sandwich")
-    torch.testing.assert_close(connection(x, sublayer), expected)
+    sublayer_input = norm(x) if norm_position in ("pre", "sandwich") else x  # what the layer hands its sub-layer
+    torch.testing.assert_close(connection(x, sublayer(sublayer_input)), expected)
 
 
 @pytest.mark.parametrize("norm_position", NORM_POSITIONS)

@@ -31,7 +31,7 @@ from hf_vanilla_transformer import (
     VanillaTransformerConfig,
     VanillaTransformerForConditionalGeneration,
 )
-from hf_vanilla_transformer import modeling_vanilla_transformer as dropout_module
+from hf_vanilla_transformer import modeling_vanilla_transformer as modeling
 from hf_vanilla_transformer import packing_vanilla_transformer as packing
 
 IGNORE_INDEX = -100
@@ -176,7 +176,7 @@ def varlen_kernel_stand_in():
 def main() -> None:
     ours, marian, flattened, packed_rows, padded = op_count_case()
     rows = {}
-    with mock.patch.object(dropout_module, "cpu_samples_dropout_per_element", lambda: False):
+    with mock.patch.object(modeling, "cpu_samples_dropout_per_element", lambda: False):
         rows["HF Marian, padded"] = training_step_op_names(marian, padded)
         rows["ours, padded"] = training_step_op_names(ours, padded)
         rows["ours, flattened, fallback"] = training_step_op_names(ours, flattened)

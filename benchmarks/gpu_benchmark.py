@@ -73,7 +73,7 @@ from hf_vanilla_transformer import (
     VanillaTransformerModel,
     seq2seq_training_collator,
 )
-from hf_vanilla_transformer.modeling_vanilla_transformer import SORTED_GROUPED_MM
+from hf_vanilla_transformer.moe_kernels_vanilla_transformer import SORTED_GROUPED_MM
 from hf_vanilla_transformer.packing_vanilla_transformer import varlen_kernel
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "training"))

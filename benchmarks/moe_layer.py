@@ -12,7 +12,7 @@ from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 
 from hf_vanilla_transformer import VanillaTransformerConfig, VanillaTransformerModel
 from hf_vanilla_transformer.modeling_vanilla_transformer import build_feed_forward
-from hf_vanilla_transformer.modeling_vanilla_transformer import SORTED_GROUPED_MM
+from hf_vanilla_transformer.moe_kernels_vanilla_transformer import SORTED_GROUPED_MM
 
 
 def moe_config(d_model: int, ffn_dim: int, num_experts: int, top_k: int, gated_dim: int) -> VanillaTransformerConfig:

@@ -23,13 +23,13 @@ from transformers.utils import TransformersKwargs, can_return_tuple
 
 from .configuration_vanilla_transformer import VanillaTransformerConfig
 from .inputs_vanilla_transformer import check_sequence_classification_labels, labels_outside
-from .packing_vanilla_transformer import stack_layout
 from .modeling_vanilla_transformer import (
     Dropout,
     MoeEncoderOutput,
     VanillaTransformerEncoder,
     VanillaTransformerPreTrainedModel,
 )
+from .packing_vanilla_transformer import stack_layout
 from .router_losses_vanilla_transformer import RouterRequest, with_router_gradient, with_router_value
 
 

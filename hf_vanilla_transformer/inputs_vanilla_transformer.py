@@ -240,7 +240,9 @@ def check_seq2seq_inputs(
     if target is not None:
         mask, positions = decoder_attention_mask, kwargs.get("decoder_position_ids")
         key_length = mask_key_length(past_key_values, target.shape[1]) if mask is not None else None
-        check_stack_inputs(config, decoder_input_ids, decoder_inputs_embeds, mask, positions, key_length, None, "decoder_")
+        check_stack_inputs(
+            config, decoder_input_ids, decoder_inputs_embeds, mask, positions, key_length, None, "decoder_"
+        )
     if skip_logits and labels is None:
         raise ValueError(SKIP_LOGITS_WITHOUT_LABELS)
     if labels is not None:

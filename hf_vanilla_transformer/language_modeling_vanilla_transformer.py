@@ -25,9 +25,9 @@ from .configuration_vanilla_transformer import VanillaTransformerConfig
 from .generation_vanilla_transformer import VanillaTransformerGenerationMixin
 from .inputs_vanilla_transformer import (
     IGNORE_INDEX,
+    SKIP_LOGITS_WITHOUT_LABELS,
     check_can_shift_labels,
     check_seq2seq_inputs,
-    SKIP_LOGITS_WITHOUT_LABELS,
     check_stack_inputs,
     current_tokens,
     mask_key_length,
@@ -167,7 +167,8 @@ class VanillaTransformerForConditionalGeneration(LanguageModelingHead, VanillaTr
         )
         logits = self.lm_head(slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep))
         if router is not None:
-            return self.moe_outputs(outputs, logits, labels, router, attention_mask, decoder_attention_mask, skip_logits, **kwargs)  # fmt: skip
+            masks = (attention_mask, decoder_attention_mask)
+            return self.moe_outputs(outputs, logits, labels, router, masks, skip_logits, **kwargs)
         return Seq2SeqLMOutput(
             loss=self.token_loss(logits, labels, **kwargs),
             logits=None if skip_logits else logits,
@@ -180,7 +181,9 @@ class VanillaTransformerForConditionalGeneration(LanguageModelingHead, VanillaTr
             encoder_attentions=outputs.encoder_attentions,
         )
 
-    def moe_outputs(self, outputs, logits, labels, router, attention_mask, decoder_attention_mask, skip_logits, **kwargs):
+    def moe_outputs(
+        self, outputs, logits, labels, router, attention_mask, decoder_attention_mask, skip_logits, **kwargs
+    ):
         """With experts: the router losses of both stacks, counted over their tokens, join the gradient through the
         logits, so that a loss built from them alone (the Trainer's label smoothing) trains the routers too."""
         source_tokens = current_tokens(attention_mask, outputs.encoder_last_hidden_state.shape[1])
@@ -262,7 +265,11 @@ class VanillaTransformerForCausalLM(LanguageModelingHead, VanillaTransformerGene
         already in the gradient of any loss built from `logits` (see `attach_router_loss`).
         """
         inputs = input_ids if input_ids is not None else inputs_embeds
-        key_length = mask_key_length(past_key_values, inputs.shape[1]) if attention_mask is not None else None
+        key_length = (
+            mask_key_length(past_key_values, inputs.shape[1])
+            if attention_mask is not None and inputs is not None
+            else None
+        )
         check_stack_inputs(self.config, input_ids, inputs_embeds, attention_mask, position_ids, key_length, kwargs,
                            labels=labels)  # fmt: skip
         targets = self.next_token_targets(labels, kwargs.get("shift_labels"))

@@ -43,14 +43,7 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_vanilla_transformer import GATED_FFN_TYPES, Stack, VanillaTransformerConfig
 from .inputs_vanilla_transformer import check_seq2seq_inputs, check_stack_inputs, mask_key_length, require
-from .moe_kernels_vanilla_transformer import (
-    EXPERTS_FUNCTIONS,
-    SORTED_GROUPED_MM,
-    gated_activation,
-    grouped_mm_takes,
-    local_expert_ids,
-    sorted_grouped_mm_experts_forward,
-)
+from .moe_kernels_vanilla_transformer import EXPERTS_FUNCTIONS, gated_activation, local_expert_ids
 from .packing_vanilla_transformer import AttentionLayout, seq2seq_layouts, stack_layout
 from .pretrained_vanilla_transformer import LoadSaveShardMixin
 
@@ -110,6 +103,7 @@ class Dropout(nn.Dropout):
         # As PyTorch's own CPU dropout: input times a noise tensor of 0 and 1 / (1 - p), kept for the backward.
         noise = keep_mask(input.shape, dropped_per_2_32).to(input.dtype).div_(1.0 - self.p)
         return input * noise
+
 
 # ------------------------------------------------------------------------------------ embeddings and positions
 #
@@ -258,6 +252,7 @@ def build_position_embedding(config: VanillaTransformerConfig, num_heads: int) -
     tables = {"sinusoidal": SinusoidalPositionalEmbedding, "learned": LearnedPositionalEmbedding}
     return tables[config.position_embedding_type](config)
 
+
 # ----------------------------------------------------------------------------------- norms and their placement
 
 
@@ -344,6 +339,7 @@ class SublayerConnection(nn.Module):
         scaled = residual if self.residual_scale == 1.0 else self.residual_scale * residual
         return self.norm(scaled + sublayer_output)
 
+
 # ----------------------------------------------------------------------------------------- feed-forward networks
 #
 # Position-wise FFNs (§3.3) and the GLU family (Shazeer 2020, "GLU Variants Improve Transformer"):
@@ -403,6 +399,7 @@ class GatedFeedForward(nn.Module):
 def build_feed_forward(config: VanillaTransformerConfig, ffn_dim: int) -> nn.Module:
     """The FFN of `config.ffn_type`; gated types get 2/3 of `ffn_dim` (see `config.gated_hidden_size`)."""
     return GatedFeedForward(config, ffn_dim) if config.ffn_type in GATED_FFN_TYPES else FeedForward(config, ffn_dim)
+
 
 # ------------------------------------------------------------------------------------------ Mixture of Experts
 #
@@ -635,6 +632,7 @@ class MoeCausalLMOutput(MoeCausalLMOutputWithPast):
 
     z_loss: torch.Tensor | None = None
 
+
 # ------------------------------------------------------------------------------------- attention and the layers
 
 
@@ -808,6 +806,7 @@ class VanillaTransformerDecoderLayer(VanillaTransformerLayer):
     FFN."""
 
     stack = "decoder"
+
 
 # ------------------------------------------------------------------------------------ the stacks and the model
 
@@ -1052,7 +1051,11 @@ class VanillaTransformerDecoder(VanillaTransformerStack):
         """The decoder run alone: its inputs, and those of the encoder-decoder it belongs to where it has one."""
         if encoder_hidden_states is None:
             inputs = input_ids if input_ids is not None else inputs_embeds
-            key_length = mask_key_length(past_key_values, inputs.shape[1]) if attention_mask is not None else None
+            key_length = (
+                mask_key_length(past_key_values, inputs.shape[1])
+                if attention_mask is not None and inputs is not None
+                else None
+            )
             check_stack_inputs(self.config, input_ids, inputs_embeds, attention_mask, position_ids, key_length, kwargs)
             return
         check_seq2seq_inputs(
@@ -1201,7 +1204,9 @@ class VanillaTransformerModel(VanillaTransformerPreTrainedModel):
             check_seq2seq_inputs(self.config, input_ids, attention_mask, inputs_embeds, encoder_outputs,
                                  decoder_input_ids, decoder_attention_mask, decoder_inputs_embeds, past_key_values,
                                  kwargs=positions)  # fmt: skip
-        source = encoder_outputs[0] if encoder_outputs is not None else input_ids if input_ids is not None else inputs_embeds
+        source = (
+            encoder_outputs[0] if encoder_outputs is not None else input_ids if input_ids is not None else inputs_embeds
+        )
         target = decoder_input_ids if decoder_input_ids is not None else decoder_inputs_embeds
         # How each kind of attention runs, and a flattened batch's sequences: built once, for both stacks.
         encoder_layout, decoder_layout, cross_layout = seq2seq_layouts(

@@ -1,4 +1,5 @@
-"""The kernels of the MoE experts, apart from the modules that use them (the Mixture-of-Experts block in modeling_vanilla_transformer.py).
+"""The kernels of the MoE experts, apart from the modules that use them (the Mixture-of-Experts block of
+modeling_vanilla_transformer.py).
 
     gated_activation    act(gate) * up whose backward writes its gradient into the fused [gate; up] projection output
     sorted_grouped_mm   our experts function (the default): the (token, expert) rows sorted by expert once, one

@@ -29,7 +29,6 @@ import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -292,7 +291,8 @@ def fallback_attention(
     heads, kv_heads, head_dim = query.shape[1], key.shape[1], query.shape[3]
     query = query.transpose(1, 2).index_select(1, queries.reads).view(-1, queries.max_length, heads, head_dim)
     key, value = (
-        x.transpose(1, 2).index_select(1, keys.reads).view(-1, keys.max_length, kv_heads, head_dim) for x in (key, value)
+        x.transpose(1, 2).index_select(1, keys.reads).view(-1, keys.max_length, kv_heads, head_dim)
+        for x in (key, value)
     )
     query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     output, weights = attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)

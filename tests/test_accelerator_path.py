@@ -32,7 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import MarianMTModel
 from transformers.cache_utils import DynamicLayer
 
-import hf_vanilla_transformer.modeling_vanilla_transformer as dropout_module
+import hf_vanilla_transformer.modeling_vanilla_transformer as modeling
 from hf_vanilla_transformer import (
     VanillaTransformerConfig,
     VanillaTransformerForCausalLM,
@@ -335,7 +335,7 @@ def test_seq2seq_training_step_dispatches_no_more_ops_than_marian() -> None:
         "attention_mask": attention_mask,
         "labels": masked_labels(target_ids, target_mask),
     }
-    with mock.patch.object(dropout_module, "cpu_samples_dropout_per_element", lambda: False):
+    with mock.patch.object(modeling, "cpu_samples_dropout_per_element", lambda: False):
         ours_ops, marian_ops = training_step_ops(ours, inputs).ops, training_step_ops(marian, inputs).ops
     assert ours_ops <= marian_ops, (
         f"a padded seq2seq training step dispatches {ours_ops} aten ops, MarianMTModel of the same dimensions "
@@ -349,7 +349,7 @@ def test_packed_rows_step_without_a_kernel_dispatches_no_more_ops_than_marian() 
     more aten ops, and no more that launch a kernel, than HF Marian's padded step on the same sentences (8 pairs of
     4-24 tokens, 2+2 layers, d_model 64, dropout 0.1), the offsets' checks included."""
     ours, marian, _, rows, padded = op_count_case()
-    with mock.patch.object(dropout_module, "cpu_samples_dropout_per_element", lambda: False):
+    with mock.patch.object(modeling, "cpu_samples_dropout_per_element", lambda: False):
         ours_ops, marian_ops = training_step_op_names(ours, rows), training_step_op_names(marian, padded)
     assert sum(ours_ops.values()) <= sum(marian_ops.values())
     assert kernel_count(ours_ops) <= kernel_count(marian_ops)
@@ -370,7 +370,7 @@ def test_flattened_step_where_the_varlen_kernel_runs_launches_no_more_kernels_th
         loss.backward()
         return [loss.detach()] + [parameter.grad.clone() for parameter in ours.parameters()]
 
-    with mock.patch.object(dropout_module, "cpu_samples_dropout_per_element", lambda: False):
+    with mock.patch.object(modeling, "cpu_samples_dropout_per_element", lambda: False):
         fallback = step(flattened)
         with varlen_kernel_stand_in():
             ours_kernels, marian_kernels = kernel_ops(ours, flattened), kernel_ops(marian, padded)

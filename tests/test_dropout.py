@@ -24,13 +24,13 @@ from hf_vanilla_transformer import (
     VanillaTransformerForSequenceClassification,
     image_classification_config,
 )
-from hf_vanilla_transformer import modeling_vanilla_transformer as dropout_module
+from hf_vanilla_transformer import modeling_vanilla_transformer as modeling
 from hf_vanilla_transformer.modeling_vanilla_transformer import Dropout
 
 
 def per_element_cpu(answer: bool):
     """Pretend the CPU is (True) or is not (False) one where torch samples dropout masks element by element."""
-    return mock.patch.object(dropout_module, "cpu_samples_dropout_per_element", return_value=answer)
+    return mock.patch.object(modeling, "cpu_samples_dropout_per_element", return_value=answer)
 
 
 def within_binomial_bounds(successes: int, trials: int, probability: float, sigmas: float = 5.0) -> bool:
@@ -52,7 +52,7 @@ def test_mask_drops_each_element_with_probability_p_and_scales_the_rest(p, dtype
 def test_mask_elements_are_independent_within_and_across_draws():
     """Elements 2i and 2i+1 share one 64-bit draw, 2i+1 and 2i+2 do not: both pairs drop together with p^2."""
     torch.manual_seed(0)
-    dropped = ~dropout_module.keep_mask(torch.Size([2_000_000]), 2**31)  # p = 1/2
+    dropped = ~modeling.keep_mask(torch.Size([2_000_000]), 2**31)  # p = 1/2
     same_draw, next_draw = dropped[0::2] & dropped[1::2], dropped[1:-1:2] & dropped[2::2]
     for pairs in (same_draw, next_draw):
         assert within_binomial_bounds(int(pairs.sum()), pairs.numel(), 0.25)
@@ -90,8 +90,8 @@ def test_everywhere_else_it_is_torch_dropout(case):
     p = {"p=0": 0.0, "p=1": 1.0}.get(case, 0.25)
     module = Dropout(p, inplace=case == "inplace").train(case != "eval")
     reference = torch.nn.Dropout(p, inplace=case == "inplace").train(case != "eval")
-    compiling = mock.patch.object(dropout_module, "is_torchdynamo_compiling", return_value=case == "compiling")
-    drawn = mock.patch.object(dropout_module, "keep_mask", side_effect=AssertionError("cheaper mask drawn"))
+    compiling = mock.patch.object(modeling, "is_torchdynamo_compiling", return_value=case == "compiling")
+    drawn = mock.patch.object(modeling, "keep_mask", side_effect=AssertionError("cheaper mask drawn"))
     with per_element_cpu(case != "intel_mkl_cpu"), compiling, drawn:
         torch.manual_seed(3)
         outputs = module(torch.randn(4096))
@@ -101,7 +101,7 @@ def test_everywhere_else_it_is_torch_dropout(case):
 
 
 def test_the_cheaper_mask_is_drawn_on_per_element_cpus_only():
-    with mock.patch.object(dropout_module, "keep_mask", wraps=dropout_module.keep_mask) as drawn:
+    with mock.patch.object(modeling, "keep_mask", wraps=modeling.keep_mask) as drawn:
         for per_element in (True, False):
             with per_element_cpu(per_element):
                 Dropout(0.1).train()(torch.randn(128))
@@ -118,15 +118,15 @@ def test_the_cheaper_mask_is_drawn_on_per_element_cpus_only():
     ],
 )
 def test_which_cpus_sample_per_element(mkl, vendor, per_element):
-    dropout_module.cpu_samples_dropout_per_element.cache_clear()
+    modeling.cpu_samples_dropout_per_element.cache_clear()
     try:
         with (
             mock.patch.object(torch.backends.mkl, "is_available", return_value=mkl),
-            mock.patch.object(dropout_module, "cpu_vendor", return_value=vendor),
+            mock.patch.object(modeling, "cpu_vendor", return_value=vendor),
         ):
-            assert dropout_module.cpu_samples_dropout_per_element() is per_element
+            assert modeling.cpu_samples_dropout_per_element() is per_element
     finally:
-        dropout_module.cpu_samples_dropout_per_element.cache_clear()
+        modeling.cpu_samples_dropout_per_element.cache_clear()
 
 
 @pytest.mark.parametrize(
@@ -162,7 +162,7 @@ def test_a_training_step_draws_every_mask_cheaply_and_reproducibly():
     model = VanillaTransformerForConditionalGeneration(config).train()
     active = sum(1 for module in model.modules() if isinstance(module, Dropout) and module.p > 0)
     batch = dict(input_ids=torch.randint(4, 32, (3, 7)), labels=torch.randint(4, 32, (3, 5)))
-    drawn = mock.patch.object(dropout_module, "keep_mask", wraps=dropout_module.keep_mask)
+    drawn = mock.patch.object(modeling, "keep_mask", wraps=modeling.keep_mask)
     with per_element_cpu(True), drawn as keep_mask:
         losses = []
         for _ in range(2):

@@ -28,18 +28,17 @@ from hf_vanilla_transformer import (
     VanillaTransformerForMaskedLM,
     VanillaTransformerForSequenceClassification,
 )
-from hf_vanilla_transformer.modeling_vanilla_transformer import ffn_activation
 from hf_vanilla_transformer.modeling_vanilla_transformer import (
-    SORTED_GROUPED_MM,
+    SublayerConnection,
     VanillaTransformerExperts,
     VanillaTransformerRouter,
     VanillaTransformerSparseMoeBlock,
     dropped_token_counts,
     expert_capacity,
-    sorted_grouped_mm_experts_forward,
+    ffn_activation,
     within_capacity,
 )
-from hf_vanilla_transformer.modeling_vanilla_transformer import SublayerConnection
+from hf_vanilla_transformer.moe_kernels_vanilla_transformer import SORTED_GROUPED_MM, sorted_grouped_mm_experts_forward
 from hf_vanilla_transformer.router_losses_vanilla_transformer import load_balancing_loss, router_z_loss
 
 

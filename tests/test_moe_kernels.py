@@ -17,16 +17,16 @@ from transformers.activations import ACT2FN
 
 from hf_vanilla_transformer import VanillaTransformerConfig
 from hf_vanilla_transformer import moe_kernels_vanilla_transformer as kernels
-from hf_vanilla_transformer.modeling_vanilla_transformer import ffn_activation
+from hf_vanilla_transformer.modeling_vanilla_transformer import (
+    VanillaTransformerExperts,
+    VanillaTransformerRouter,
+    ffn_activation,
+)
 from hf_vanilla_transformer.moe_kernels_vanilla_transformer import (
     SORTED_GROUPED_MM,
     batched_mm_gathered_bytes,
     gated_activation,
     sorted_grouped_mm_experts_forward,
-)
-from hf_vanilla_transformer.modeling_vanilla_transformer import (
-    VanillaTransformerExperts,
-    VanillaTransformerRouter,
 )
 
 aten = torch.ops.aten

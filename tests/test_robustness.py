@@ -27,7 +27,7 @@ from hf_vanilla_transformer import (
     VanillaTransformerForSequenceClassification,
     VanillaTransformerForTokenClassification,
 )
-from hf_vanilla_transformer.modeling_vanilla_transformer import SORTED_GROUPED_MM, grouped_mm_takes
+from hf_vanilla_transformer.moe_kernels_vanilla_transformer import SORTED_GROUPED_MM, grouped_mm_takes
 
 # transformers' "grouped_mm" is left out: torch's kernel refuses some expert sizes of valid configs (see below).
 EXPERTS_IMPLEMENTATIONS = ("eager", SORTED_GROUPED_MM, "batched_mm")

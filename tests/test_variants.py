@@ -21,9 +21,14 @@ from hf_vanilla_transformer import (
     VanillaTransformerForConditionalGeneration,
     VanillaTransformerForSequenceClassification,
 )
-from hf_vanilla_transformer.modeling_vanilla_transformer import build_feed_forward
-from hf_vanilla_transformer.modeling_vanilla_transformer import SublayerConnection, build_norm, deepnorm_constants
-from hf_vanilla_transformer.modeling_vanilla_transformer import RotaryEmbedding, sinusoidal_position_encoding
+from hf_vanilla_transformer.modeling_vanilla_transformer import (
+    RotaryEmbedding,
+    SublayerConnection,
+    build_feed_forward,
+    build_norm,
+    deepnorm_constants,
+    sinusoidal_position_encoding,
+)
 
 NORM_TYPES = ["layernorm", "rmsnorm"]
 NORM_POSITIONS = ["post", "pre", "sandwich", "deepnorm"]

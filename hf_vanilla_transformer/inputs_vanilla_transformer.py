@@ -142,8 +142,10 @@ def check_offsets(cu_seq_lens: Any, max_length: Any, shape: tuple[int, int], sid
         raise ValueError(f"{name} must hold at least two offsets (0 and the token count), got {cu_seq_lens.shape[0]}.")
     if isinstance(max_length, torch.Tensor) and max_length.device.type == "cpu" and max_length.numel() == 1:
         max_length = int(max_length)  # a collator's 0-dim tensor: on the CPU, so no sync
-    if not isinstance(max_length, int) or isinstance(max_length, bool):
+    if not isinstance(max_length, int | torch.SymInt) or isinstance(max_length, bool):
         raise ValueError(f"{name} needs {length_name}, the longest sequence's length as an int, got {max_length!r}.")
+    if is_torchdynamo_compiling():  # `require` checks nothing in a graph: neither build its conditions nor message
+        return
     # One check, one device-side assert: each condition is a kernel launch on an accelerator.
     rows, row_length = shape
     lengths = cu_seq_lens[1:] - cu_seq_lens[:-1]

@@ -102,7 +102,9 @@ class Sequences:
     def of(cls, cu_seq_lens: torch.Tensor, max_length, shape: tuple[int, int], kernel: str | None) -> "Sequences":
         """The sequences at `cu_seq_lens` of tokens laid out in a (rows, row_length) `shape`. Trusted: the entry
         point checked them (`check_offsets`)."""
-        max_length = int(max_length)  # a Python int, or the collator's 0-dim CPU tensor: no sync
+        # A Python int (symbolic under torch.compile, kept so: int() would specialise it), or a collator's 0-dim CPU
+        # tensor: no sync.
+        max_length = int(max_length) if isinstance(max_length, torch.Tensor) else max_length
         if kernel is not None:
             return cls(cu_seq_lens, max_length)
         if shape[0] > 1:

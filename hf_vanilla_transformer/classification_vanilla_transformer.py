@@ -102,7 +102,7 @@ class SingleStackTaskHead(VanillaTransformerPreTrainedModel):
                 f"{type(self).__name__} has one output per sequence and cannot take a flattened batch "
                 "(cu_seq_lens_q/k): pass the sequences padded, with an attention_mask."
             )
-        check_stack_inputs(self.config, input_ids, inputs_embeds, attention_mask, None, True, kwargs)
+        check_stack_inputs(self.config, input_ids, inputs_embeds, attention_mask, None, None, kwargs)
         router = RouterRequest.of(self.config, labels, output_router_logits) if self.config.num_experts else None
         if self.config.is_decoder:
             # One pass over the whole input, no cache to fill; positions restart at each row's first token.

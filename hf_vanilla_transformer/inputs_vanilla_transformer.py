@@ -166,12 +166,13 @@ def check_offsets(cu_seq_lens: Any, max_length: Any, shape: tuple[int, int], sid
 # ---------------------------------------------------------------------------------------------- entry points
 
 
-def mask_key_length(past_key_values: Any, length: int) -> int | None:
+def mask_key_length(past_key_values: Any, length: int, first_layer: int = 0) -> int | None:
     """The key length of a decoder's mask: the cache's and this forward's tokens, or None for a static cache, whose
-    masks span the whole cache."""
+    masks span the whole cache. `first_layer`: the first layer this rank runs, whose cache holds the decoded length
+    (a later rank of a pipeline runs none before it)."""
     if getattr(past_key_values, "is_compileable", False):
         return None
-    return length + (past_key_values.get_seq_length() if past_key_values is not None else 0)
+    return length + (past_key_values.get_seq_length(first_layer) if past_key_values is not None else 0)
 
 
 def check_stack_inputs(
@@ -180,16 +181,17 @@ def check_stack_inputs(
     inputs_embeds: torch.Tensor | None,
     attention_mask: torch.Tensor | None,
     position_ids: torch.Tensor | None = None,
-    key_length: int | None | bool = True,
+    past_key_values: Any = None,
     offsets: dict | None = None,
     prefix: str = "",
     labels: torch.Tensor | None = None,
+    first_layer: int = 0,
 ) -> None:
-    """Everything one stack reads: exactly one of its ids or embeddings, its positions, its mask (over `key_length`
-    keys: True for as many as the inputs, None for a static cache's), and, run alone on a flattened batch, the
-    offsets in `offsets` (a stack's "q" side; transformers' collator gives "k" too, equal), and a language-model
-    head's token `labels`, aligned with the inputs. `prefix`: "decoder_" for the target side of an encoder-decoder,
-    as the caller names its inputs."""
+    """Everything one stack reads: exactly one of its ids or embeddings, its positions, its mask (over the keys of
+    the cache `past_key_values` and the inputs), run alone on a flattened batch the offsets in `offsets` (a stack's
+    "q" side; transformers' collator gives "k" too, equal), and a language-model head's token `labels`, aligned with
+    the inputs. `prefix`: "decoder_" for the target side of an encoder-decoder, as the caller names its inputs;
+    `first_layer`: see `mask_key_length`."""
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError(f"Pass exactly one of {prefix}input_ids or {prefix}inputs_embeds.")
     if input_ids is not None:
@@ -205,8 +207,9 @@ def check_stack_inputs(
                 f"length={length})."
             )
         require((position_ids >= 0).all(), "position_ids must be >= 0.")
-    key_length = length if key_length is True else key_length
-    check_attention_mask(attention_mask, batch_size, length, key_length, f"{prefix}attention_mask")
+    if attention_mask is not None:
+        key_length = mask_key_length(past_key_values, length, first_layer)
+        check_attention_mask(attention_mask, batch_size, length, key_length, f"{prefix}attention_mask")
     if labels is not None:
         check_token_ids(labels, f"labels (aligned with {prefix}input_ids)", (batch_size, length))
     for side in ("q", "k") if offsets and offsets.get("cu_seq_lens_q") is not None else ():
@@ -241,9 +244,8 @@ def check_seq2seq_inputs(
     target = decoder_input_ids if decoder_input_ids is not None else decoder_inputs_embeds
     if target is not None:
         mask, positions = decoder_attention_mask, kwargs.get("decoder_position_ids")
-        key_length = mask_key_length(past_key_values, target.shape[1]) if mask is not None else None
         check_stack_inputs(
-            config, decoder_input_ids, decoder_inputs_embeds, mask, positions, key_length, None, "decoder_"
+            config, decoder_input_ids, decoder_inputs_embeds, mask, positions, past_key_values, None, "decoder_"
         )
     if skip_logits and labels is None:
         raise ValueError(SKIP_LOGITS_WITHOUT_LABELS)

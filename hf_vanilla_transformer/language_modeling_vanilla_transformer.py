@@ -30,7 +30,6 @@ from .inputs_vanilla_transformer import (
     check_seq2seq_inputs,
     check_stack_inputs,
     current_tokens,
-    mask_key_length,
 )
 from .modeling_vanilla_transformer import (
     MoeCausalLMOutput,
@@ -181,11 +180,11 @@ class VanillaTransformerForConditionalGeneration(LanguageModelingHead, VanillaTr
             encoder_attentions=outputs.encoder_attentions,
         )
 
-    def moe_outputs(
-        self, outputs, logits, labels, router, attention_mask, decoder_attention_mask, skip_logits, **kwargs
-    ):
-        """With experts: the router losses of both stacks, counted over their tokens, join the gradient through the
-        logits, so that a loss built from them alone (the Trainer's label smoothing) trains the routers too."""
+    def moe_outputs(self, outputs, logits, labels, router, masks, skip_logits, **kwargs) -> Seq2SeqMoEOutput:
+        """With experts: the router losses of both stacks, counted over their tokens (`masks`: the source's and the
+        target's), join the gradient through the logits, so that a loss built from them alone (the Trainer's label
+        smoothing) trains the routers too."""
+        attention_mask, decoder_attention_mask = masks
         source_tokens = current_tokens(attention_mask, outputs.encoder_last_hidden_state.shape[1])
         target_tokens = current_tokens(decoder_attention_mask, outputs.last_hidden_state.shape[1])
         router_losses = router.losses(
@@ -264,14 +263,10 @@ class VanillaTransformerForCausalLM(LanguageModelingHead, VanillaTransformerGene
         With experts the output is a `MoeCausalLMOutput` (Mixtral's, plus `z_loss`); the weighted router losses are
         already in the gradient of any loss built from `logits` (see `attach_router_loss`).
         """
-        inputs = input_ids if input_ids is not None else inputs_embeds
-        key_length = (
-            mask_key_length(past_key_values, inputs.shape[1])
-            if attention_mask is not None and inputs is not None
-            else None
+        cache, first_layer = past_key_values, self.model.first_layer_run
+        check_stack_inputs(
+            self.config, input_ids, inputs_embeds, attention_mask, position_ids, cache, kwargs, "", labels, first_layer
         )
-        check_stack_inputs(self.config, input_ids, inputs_embeds, attention_mask, position_ids, key_length, kwargs,
-                           labels=labels)  # fmt: skip
         targets = self.next_token_targets(labels, kwargs.get("shift_labels"))
         if skip_logits and targets is None:
             raise ValueError(SKIP_LOGITS_WITHOUT_LABELS)
@@ -292,11 +287,16 @@ class VanillaTransformerForCausalLM(LanguageModelingHead, VanillaTransformerGene
         model_outputs = dict(
             past_key_values=outputs.past_key_values, hidden_states=outputs.hidden_states, attentions=outputs.attentions
         )
-        if router is None:
-            loss = self.token_loss(logits, targets, **kwargs)
-            return CausalLMOutputWithPast(loss=loss, logits=None if skip_logits else logits, **model_outputs)
+        if router is not None:
+            return self.moe_outputs(outputs, logits, targets, router, attention_mask, skip_logits, **kwargs)
+        loss = self.token_loss(logits, targets, **kwargs)
+        return CausalLMOutputWithPast(loss=loss, logits=None if skip_logits else logits, **model_outputs)
 
-        # Mixture of Experts: see VanillaTransformerForConditionalGeneration.
+    def moe_outputs(self, outputs, logits, targets, router, attention_mask, skip_logits, **kwargs) -> MoeCausalLMOutput:
+        """With experts: the router losses join the gradient (see VanillaTransformerForConditionalGeneration)."""
+        model_outputs = dict(
+            past_key_values=outputs.past_key_values, hidden_states=outputs.hidden_states, attentions=outputs.attentions
+        )
         tokens = current_tokens(attention_mask, outputs.last_hidden_state.shape[1])
         router_losses = router.losses(self.config, decoder=(outputs.router_logits, tokens))
         logits = with_router_gradient(logits, router_losses)
@@ -350,7 +350,7 @@ class VanillaTransformerForMaskedLM(LanguageModelingHead):
         skip_logits (`bool`, *optional*, defaults to `False`):
             Return the loss without logits (`logits=None`): a training step that reads only the loss. Needs labels.
         """
-        check_stack_inputs(self.config, input_ids, inputs_embeds, attention_mask, None, True, kwargs, labels=labels)
+        check_stack_inputs(self.config, input_ids, inputs_embeds, attention_mask, None, None, kwargs, labels=labels)
         if skip_logits and labels is None:
             raise ValueError(SKIP_LOGITS_WITHOUT_LABELS)
         router = RouterRequest.of(self.config, labels, output_router_logits) if self.config.num_experts else None

@@ -42,7 +42,7 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_vanilla_transformer import GATED_FFN_TYPES, Stack, VanillaTransformerConfig
-from .inputs_vanilla_transformer import check_seq2seq_inputs, check_stack_inputs, mask_key_length, require
+from .inputs_vanilla_transformer import check_seq2seq_inputs, check_stack_inputs, require
 from .moe_kernels_vanilla_transformer import EXPERTS_FUNCTIONS, gated_activation, local_expert_ids
 from .packing_vanilla_transformer import AttentionLayout, seq2seq_layouts, stack_layout
 from .pretrained_vanilla_transformer import LoadSaveShardMixin
@@ -945,7 +945,7 @@ class VanillaTransformerEncoder(VanillaTransformerStack):
             False where the caller (a head, the base model) checked the inputs.
         """
         if check_inputs:
-            check_stack_inputs(self.config, input_ids, inputs_embeds, attention_mask, position_ids, True, kwargs)
+            check_stack_inputs(self.config, input_ids, inputs_embeds, attention_mask, position_ids, None, kwargs)
         if attention_layout is None:
             shape = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
             attention_layout = stack_layout(self.config, kwargs, self.embed_tokens.weight, self.training, shape, False)
@@ -1050,13 +1050,10 @@ class VanillaTransformerDecoder(VanillaTransformerStack):
     ) -> None:  # fmt: skip
         """The decoder run alone: its inputs, and those of the encoder-decoder it belongs to where it has one."""
         if encoder_hidden_states is None:
-            inputs = input_ids if input_ids is not None else inputs_embeds
-            key_length = (
-                mask_key_length(past_key_values, inputs.shape[1])
-                if attention_mask is not None and inputs is not None
-                else None
+            positions, cache, first_layer = position_ids, past_key_values, self.first_layer_run
+            check_stack_inputs(
+                self.config, input_ids, inputs_embeds, attention_mask, positions, cache, kwargs, "", None, first_layer
             )
-            check_stack_inputs(self.config, input_ids, inputs_embeds, attention_mask, position_ids, key_length, kwargs)
             return
         check_seq2seq_inputs(
             self.config, None, encoder_attention_mask, None, (encoder_hidden_states,), input_ids, attention_mask,

@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 import torch
 from transformers import GenerationConfig
+from transformers.cache_utils import Cache
 from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_masks_for_generate
 
@@ -62,8 +63,18 @@ class VanillaTransformerGenerationMixin(GenerationMixin):
         super().__init_subclass__(**kwargs)
         cls._forward_takes_cache_position = "cache_position" in inspect.signature(cls.forward).parameters
 
-    def prepare_inputs_for_generation(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        """transformers' own, without the question it asks only of remote code.
+    def prepare_inputs_for_generation(
+        self,
+        input_ids: torch.LongTensor,
+        next_sequence_length: int | None = None,
+        past_key_values: Cache | None = None,
+        attention_mask: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        is_first_iteration: bool | None = False,
+        **kwargs: Any,
+    ) -> dict[str, Any]:
+        """transformers' own, without the question it asks only of remote code. (Its parameters are named as
+        transformers' are: `generate` reads them, e.g. `inputs_embeds` to let a decoder-only model start from them.)
 
         Every decoding step, transformers 5.23 asks `self.is_remote_code()` (true for a class registered with
         `register_for_auto_class`, as this package's are, so that `save_pretrained` ships the code) and, for remote
@@ -73,12 +84,13 @@ class VanillaTransformerGenerationMixin(GenerationMixin):
         no on this instance (an instance attribute shadows the classmethod; saving and loading never run here), so
         the step takes the path of transformers' own models, Marian's. A subclass whose forward takes
         `cache_position` gets transformers' check unchanged."""
+        inputs = (input_ids, next_sequence_length, past_key_values, attention_mask, inputs_embeds, is_first_iteration)
         if self._forward_takes_cache_position:
-            return super().prepare_inputs_for_generation(*args, **kwargs)
+            return super().prepare_inputs_for_generation(*inputs, **kwargs)
         instance = vars(self)
         instance["is_remote_code"] = _not_remote_code
         try:
-            return super().prepare_inputs_for_generation(*args, **kwargs)
+            return super().prepare_inputs_for_generation(*inputs, **kwargs)
         finally:
             instance.pop("is_remote_code", None)
 

@@ -18,7 +18,9 @@ import sys
 import pytest
 import torch
 import transformers
+from conftest import tiny_config
 from transformers import MarianConfig, MarianMTModel
+from transformers.generation import GenerationMixin
 
 import hf_vanilla_transformer
 from hf_vanilla_transformer import VanillaTransformerForCausalLM, VanillaTransformerForConditionalGeneration
@@ -148,6 +150,22 @@ def test_the_heads_take_no_cache_position(head):
     answer no for every head that generates."""
     assert "cache_position" not in inspect.signature(head.forward).parameters
     assert head._forward_takes_cache_position is False
+
+
+def test_prepare_inputs_for_generation_keeps_transformers_parameters():
+    """`generate` reads the parameters of `prepare_inputs_for_generation`: without `inputs_embeds` among them it
+    refuses to start a decoder-only model from embeddings."""
+    ours = inspect.signature(VanillaTransformerGenerationMixin.prepare_inputs_for_generation).parameters
+    assert list(ours) == list(inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters)
+    torch.manual_seed(0)
+    model = VanillaTransformerForCausalLM(tiny_config(is_encoder_decoder=False, eos_token_id=None)).eval()
+    input_ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        from_ids = model.generate(input_ids, max_new_tokens=4, do_sample=False)
+        from_embeds = model.generate(
+            inputs_embeds=model.get_input_embeddings()(input_ids), max_new_tokens=4, do_sample=False
+        )
+    assert torch.equal(from_embeds, from_ids[:, input_ids.shape[1] :])
 
 
 def test_after_generate_the_model_is_remote_code_again_and_saves_its_code(tmp_path):

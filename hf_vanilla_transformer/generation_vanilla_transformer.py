@@ -14,10 +14,12 @@ model.generation_config.length_penalty_type = "gnmt"  # or make it the model's d
 the end-of-sequence token and excluding the decoder start token, exactly the length transformers uses.
 """
 
+import inspect
 from typing import Any, Literal
 
 import torch
 from transformers import GenerationConfig
+from transformers.cache_utils import Cache
 from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_masks_for_generate
 
@@ -39,8 +41,13 @@ def _length_penalty_type(generation_config: GenerationConfig) -> str:
     return penalty_type
 
 
+def _not_remote_code() -> bool:
+    return False
+
+
 class VanillaTransformerGenerationMixin(GenerationMixin):
-    """`GenerationMixin` whose beam search can rank finished hypotheses with the GNMT length penalty.
+    """`GenerationMixin` whose beam search can rank finished hypotheses with the GNMT length penalty, and whose
+    decoding steps take the path transformers takes for its own models.
 
     transformers 5.23's `_beam_search` normalises scores in exactly two places, `_update_finished_beams` (the score a
     finished hypothesis is kept with) and `_check_early_stop_heuristic` (the best score a running beam could still
@@ -49,6 +56,43 @@ class VanillaTransformerGenerationMixin(GenerationMixin):
     """
 
     _gnmt_alpha: float | None = None  # set for the duration of one GNMT beam search
+    # Whether this class's `forward` takes `cache_position` (see `prepare_inputs_for_generation`); set per class.
+    _forward_takes_cache_position: bool = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls._forward_takes_cache_position = "cache_position" in inspect.signature(cls.forward).parameters
+
+    def prepare_inputs_for_generation(
+        self,
+        input_ids: torch.LongTensor,
+        next_sequence_length: int | None = None,
+        past_key_values: Cache | None = None,
+        attention_mask: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        is_first_iteration: bool | None = False,
+        **kwargs: Any,
+    ) -> dict[str, Any]:
+        """transformers' own, without the question it asks only of remote code. (Its parameters are named as
+        transformers' are: `generate` reads them, e.g. `inputs_embeds` to let a decoder-only model start from them.)
+
+        Every decoding step, transformers 5.23 asks `self.is_remote_code()` (true for a class registered with
+        `register_for_auto_class`, as this package's are, so that `save_pretrained` ships the code) and, for remote
+        code, reads `inspect.signature(self.forward)` to see whether the forward still takes `cache_position`,
+        which it then builds. About 140 Python calls a token, to learn what `_forward_takes_cache_position` already
+        says: the heads' forwards take no `cache_position`. For the length of this call `is_remote_code` answers
+        no on this instance (an instance attribute shadows the classmethod; saving and loading never run here), so
+        the step takes the path of transformers' own models, Marian's. A subclass whose forward takes
+        `cache_position` gets transformers' check unchanged."""
+        inputs = (input_ids, next_sequence_length, past_key_values, attention_mask, inputs_embeds, is_first_iteration)
+        if self._forward_takes_cache_position:
+            return super().prepare_inputs_for_generation(*inputs, **kwargs)
+        instance = vars(self)
+        instance["is_remote_code"] = _not_remote_code
+        try:
+            return super().prepare_inputs_for_generation(*inputs, **kwargs)
+        finally:
+            instance.pop("is_remote_code", None)
 
     def _prepare_generation_config(
         self, generation_config: GenerationConfig | None, **kwargs: Any

@@ -1,0 +1,199 @@
+"""What `generate()` costs this model per decoding step, beside HF Marian on the same weights
+(hf_vanilla_transformer/generation_vanilla_transformer.py).
+
+transformers' generation code must not do more for our heads, a step, than for its own Marian: the Python calls made
+on behalf of transformers' generation code (every call whose nearest caller in transformers' generation package, our
+package or Marian's modeling file is the generation package) are counted per generated token, as the difference
+between a long and a short decoding run, so that what runs once per `generate` call drops out. The model's own
+calls (the forward) are not compared here: they are the model's, not generate's.
+
+Run: python -m pytest -q tests/test_generation_overhead.py
+"""
+
+import collections
+import inspect
+import os
+import sys
+
+import pytest
+import torch
+import transformers
+from conftest import tiny_config
+from transformers import MarianConfig, MarianMTModel
+from transformers.generation import GenerationMixin
+
+import hf_vanilla_transformer
+from hf_vanilla_transformer import VanillaTransformerForCausalLM, VanillaTransformerForConditionalGeneration
+from hf_vanilla_transformer.convert_marian_vanilla_transformer import convert_marian_to_vanilla_transformer
+from hf_vanilla_transformer.generation_vanilla_transformer import VanillaTransformerGenerationMixin
+
+PACKAGE = os.path.dirname(os.path.realpath(hf_vanilla_transformer.__file__)) + os.sep
+GENERATION = os.path.dirname(os.path.realpath(transformers.__file__)) + os.sep + "generation" + os.sep
+MARIAN = os.path.realpath(inspect.getfile(MarianMTModel))
+OUR_GENERATION = os.path.realpath(inspect.getfile(VanillaTransformerGenerationMixin))
+SHORT, LONG = 4, 12  # new tokens of the two runs whose difference is LONG - SHORT steps
+
+
+def marian_and_twin() -> tuple[MarianMTModel, VanillaTransformerForConditionalGeneration]:
+    torch.manual_seed(0)
+    marian = MarianMTModel(
+        MarianConfig(
+            vocab_size=200,
+            decoder_vocab_size=200,
+            d_model=32,
+            encoder_layers=2,
+            decoder_layers=2,
+            encoder_attention_heads=4,
+            decoder_attention_heads=4,
+            encoder_ffn_dim=64,
+            decoder_ffn_dim=64,
+            activation_function="relu",
+            scale_embedding=True,
+            share_encoder_decoder_embeddings=True,
+            tie_word_embeddings=True,
+            dropout=0.0,
+            max_position_embeddings=64,
+            pad_token_id=0,
+            eos_token_id=2,
+            decoder_start_token_id=0,
+            forced_eos_token_id=None,
+        )
+    ).eval()
+    twin = convert_marian_to_vanilla_transformer(marian).eval()
+    for model in (marian, twin):
+        model.set_attn_implementation("sdpa")
+    return marian, twin
+
+
+def owner(frame, files: dict[str, str], seen: dict[str, str | None]) -> str:
+    """Whose code a call is made for: the nearest frame, this one or a caller, in one of `files` (path prefix ->
+    owner name); "other" when none is on the stack. `seen` caches each file name's owner (None: not one of them)."""
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if filename not in seen:
+            path = os.path.realpath(filename)
+            seen[filename] = next((name for prefix, name in files.items() if path.startswith(prefix)), None)
+        if seen[filename] is not None:
+            return seen[filename]
+        frame = frame.f_back
+    return "other"
+
+
+def calls(model, source: torch.Tensor, new_tokens: int, **options) -> tuple[collections.Counter, torch.Tensor]:
+    """Python calls of one `generate`, by owner ("generation": transformers' generation package, "ours_generation":
+    generation_vanilla_transformer.py, "model": the rest of the package or Marian's file), plus calls of
+    `inspect.signature` under "signature"; and the generated tokens."""
+    # Our generation file is in the package: named first, it wins over the package prefix.
+    files = {OUR_GENERATION: "ours_generation", GENERATION: "generation", PACKAGE: "model", MARIAN: "model"}
+    counts, seen = collections.Counter(), {}
+
+    def profile(frame, event, arg):
+        if event == "call":
+            counts[owner(frame, files, seen)] += 1
+            if frame.f_code is inspect.signature.__code__:
+                counts["signature"] += 1
+
+    options = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, **options)
+    with torch.no_grad():
+        sys.setprofile(profile)
+        try:
+            tokens = model.generate(source, **options)
+        finally:
+            sys.setprofile(None)
+    return counts, tokens
+
+
+def per_step(model, source: torch.Tensor, **options) -> tuple[dict[str, float], torch.Tensor]:
+    with torch.no_grad():
+        model.generate(source, max_new_tokens=2, **options)  # warm: first-call work (lazy imports, caches) drops out
+    short, _ = calls(model, source, SHORT, **options)
+    long, tokens = calls(model, source, LONG, **options)
+    return {key: (long[key] - short[key]) / (LONG - SHORT) for key in long | short}, tokens
+
+
+@pytest.mark.parametrize(
+    "batch, options",
+    [(1, dict(num_beams=1)), (2, dict(num_beams=3)), (1, dict(num_beams=1, cache_implementation="static"))],
+    ids=["greedy", "beam_search", "greedy_static_cache"],
+)
+def test_generate_does_no_more_per_step_for_our_model_than_for_marian(batch, options):
+    marian, twin = marian_and_twin()
+    source = torch.randint(3, 200, (batch, 10), generator=torch.Generator().manual_seed(3))
+    theirs, marian_tokens = per_step(marian, source, **options)
+    ours, our_tokens = per_step(twin, source, **options)
+    assert torch.equal(our_tokens, marian_tokens)
+    # generate's calls a step (transformers' generation code and ours, generation_vanilla_transformer.py): Marian's,
+    # plus one frame for each of our overrides that runs a step and hands over to transformers' code
+    # (prepare_inputs_for_generation; create_masks_for_generate with a static cache; the two GNMT hooks of beam
+    # search). Before the override of prepare_inputs_for_generation there were ~137 more: transformers read
+    # inspect.signature(self.forward) every step, for a class registered with register_for_auto_class.
+    wrappers = 1 + ("cache_implementation" in options) + 2 * (options["num_beams"] > 1)
+    generate_calls = ours["generation"] + ours["ours_generation"]
+    assert generate_calls <= theirs["generation"] + wrappers, (ours, theirs)
+    assert ours["signature"] == theirs["signature"], (ours, theirs)
+
+
+def test_beam_search_with_the_gnmt_penalty_still_ranks_through_our_hooks():
+    marian, twin = marian_and_twin()
+    source = torch.randint(3, 200, (2, 10), generator=torch.Generator().manual_seed(4))
+    options = dict(num_beams=3, length_penalty=0.6, max_new_tokens=8, do_sample=False)
+    with torch.no_grad():
+        power = twin.generate(source, **options)
+        assert torch.equal(power, marian.generate(source, **options))
+        gnmt, _ = calls(twin, source, 8, num_beams=3, length_penalty=0.6, length_penalty_type="gnmt")
+    assert gnmt["ours_generation"] > 0
+
+
+@pytest.mark.parametrize("head", [VanillaTransformerForConditionalGeneration, VanillaTransformerForCausalLM])
+def test_the_heads_take_no_cache_position(head):
+    """The override rests on this: transformers' per-step question (does the forward take `cache_position`?) has the
+    answer no for every head that generates."""
+    assert "cache_position" not in inspect.signature(head.forward).parameters
+    assert head._forward_takes_cache_position is False
+
+
+def test_prepare_inputs_for_generation_keeps_transformers_parameters():
+    """`generate` reads the parameters of `prepare_inputs_for_generation`: without `inputs_embeds` among them it
+    refuses to start a decoder-only model from embeddings."""
+    ours = inspect.signature(VanillaTransformerGenerationMixin.prepare_inputs_for_generation).parameters
+    assert list(ours) == list(inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters)
+    torch.manual_seed(0)
+    model = VanillaTransformerForCausalLM(tiny_config(is_encoder_decoder=False, eos_token_id=None)).eval()
+    input_ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        from_ids = model.generate(input_ids, max_new_tokens=4, do_sample=False)
+        from_embeds = model.generate(
+            inputs_embeds=model.get_input_embeddings()(input_ids), max_new_tokens=4, do_sample=False
+        )
+    assert torch.equal(from_embeds, from_ids[:, input_ids.shape[1] :])
+
+
+def test_after_generate_the_model_is_remote_code_again_and_saves_its_code(tmp_path):
+    """The instance attribute that answers `is_remote_code` during a step is gone after it: `save_pretrained` still
+    ships the code files that `register_for_auto_class` asks for."""
+    _, twin = marian_and_twin()
+    with torch.no_grad():
+        twin.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=3)
+    assert "is_remote_code" not in vars(twin)
+    assert twin.is_remote_code()
+    twin.save_pretrained(tmp_path)
+    assert (tmp_path / os.path.basename(inspect.getfile(type(twin)))).is_file()
+
+
+def test_a_subclass_whose_forward_takes_cache_position_still_gets_it():
+    """transformers builds `cache_position` for remote code that asks for it; a subclass that does keeps that."""
+
+    seen = []
+
+    class WithCachePosition(VanillaTransformerForConditionalGeneration):
+        def forward(self, *args, cache_position=None, **kwargs):
+            seen.append(cache_position)
+            return super().forward(*args, **kwargs)
+
+    WithCachePosition.register_for_auto_class("AutoModelForSeq2SeqLM")
+    assert WithCachePosition._forward_takes_cache_position
+    _, twin = marian_and_twin()
+    model = WithCachePosition(twin.config).eval()
+    with torch.no_grad():
+        model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=3, min_new_tokens=3)
+    assert [position.tolist() for position in seen[1:]] == [[1], [2]]

@@ -2,6 +2,7 @@
 (hf_vanilla_transformer.seq2seq_training_collator), and, with --max_tokens, batches cut by a token budget instead of a
 sentence count (fairseq's --max-tokens), with the static-shape options that let a compiled step see few shapes."""
 
+import math
 import random
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, fields
@@ -10,7 +11,7 @@ from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Sampler
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import seed_worker
 
 from hf_vanilla_transformer.collators_vanilla_transformer import PADDED_MULTIPLE_OF
@@ -133,8 +134,8 @@ def token_budget_batches(
 
 class TokenBudgetBatchSampler(Sampler[list[int]]):
     """The batches of `token_budget_batches`, formed once, in an order drawn from (seed, epoch): every example once
-    per epoch, the same order for the same epoch in a resumed run (the Trainer calls `set_epoch`, then skips the
-    batches it already trained on)."""
+    per epoch, the same order for the same epoch in a resumed run (`SamplerEpoch` sets the epoch, the Trainer skips
+    the batches it already trained on)."""
 
     def __init__(self, source_lengths: Sequence[int], target_lengths: Sequence[int], max_tokens: int, **options):
         self.batches = token_budget_batches(source_lengths, target_lengths, max_tokens, **options)
@@ -198,6 +199,20 @@ class CountingCollator:
         return batch
 
 
+class SamplerEpoch(TrainerCallback):
+    """Gives `sampler` the epoch as each epoch begins. The Trainer reaches a batch sampler through accelerate's
+    wrappers by hand, one level deep: under DDP the sampler sits inside accelerate's per-process shard, and in a
+    resumed epoch inside a sampler that skips the batches trained as well, where the epoch never reaches it, so that
+    the resumed run would train the first epoch's order again. The state's epoch counts finished epochs in its whole
+    part (the end of epoch e is e + steps/steps = e + 1 exactly, and a resumed state holds its checkpoint's)."""
+
+    def __init__(self, sampler: Sampler):
+        self.sampler = sampler
+
+    def on_epoch_begin(self, args, state, control, **kwargs):
+        self.sampler.set_epoch(math.floor(state.epoch or 0))
+
+
 class TrainingBatchesMixin(Trainer):
     """Training batches of their own: `train_data_collator` (e.g. the package's flattening collator) and
     `train_batch_sampler` (e.g. `TokenBudgetBatchSampler`); evaluation and prediction keep `data_collator`'s padded
@@ -212,6 +227,8 @@ class TrainingBatchesMixin(Trainer):
         super().__init__(*args, **kwargs)
         self.train_data_collator = train_data_collator
         self.train_batch_sampler = train_batch_sampler
+        if hasattr(train_batch_sampler, "set_epoch"):
+            self.add_callback(SamplerEpoch(train_batch_sampler))
         self.trained = {PAIRS: 0, TOKENS: 0}  # by this process, in this call of train()
 
     def train(self, *args, **kwargs):

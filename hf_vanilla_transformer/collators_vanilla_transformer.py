@@ -276,7 +276,8 @@ def seq2seq_training_collator(
 ) -> "DataCollatorForSeq2SeqWithFlattening | DataCollatorForSeq2Seq":
     """The training collator of `preferred_layout`: `DataCollatorForSeq2SeqWithFlattening` with the static-shape
     options, or transformers' `DataCollatorForSeq2Seq` padding to `pad_to_multiple_of` (default
-    `PADDED_MULTIPLE_OF`). The padded layout has no sequence slots: there `num_sequences` does nothing. Logs the choice."""
+    `PADDED_MULTIPLE_OF`). The padded layout has no sequence slots: there `num_sequences` does nothing. Logs the
+    choice."""
     layout, reason = layout_choice(model, device, half_precision)
     logger.info("Training batches: the %s layout (%s)", layout, reason)
     if layout == "flattened":

@@ -183,7 +183,8 @@ def remove_interrupted_checkpoints(output_dir: Path, world_size: int) -> None:
 @dataclass
 class RunFolder:
     """What a run does to its --output_dir: decided by `check_output_dir` from reading it, done by
-    `prepare_output_dir` once every other check has passed, so that a bad argument leaves the folder as it was."""
+    `prepare_output_dir` once every other check has passed (`FolderPreparation`), so that a bad argument leaves the
+    folder as it was."""
 
     training_args: Any
     record: dict[str, Any]
@@ -226,9 +227,8 @@ def check_output_dir(arguments: tuple[Any, ...]) -> RunFolder | None:
 
 
 def prepare_output_dir(folder: RunFolder | None) -> None:
-    """Call after every check of the arguments, the data and the model, right before training: do what
-    `check_output_dir` decided (remove another run's outputs, or the checkpoints of this run's killed saves) and
-    record the run's arguments, on the main process while the others wait."""
+    """Do what `check_output_dir` decided (remove another run's outputs, or the checkpoints of this run's killed
+    saves) and record the run's arguments, on the main process while the others wait."""
     if folder is None:
         return
     training_args = folder.training_args
@@ -241,6 +241,22 @@ def prepare_output_dir(folder: RunFolder | None) -> None:
             if folder.resumes:
                 remove_interrupted_checkpoints(output_dir, training_args.world_size)
             write_run_record(output_dir, folder.record)
+
+
+class FolderPreparation(TrainerCallback):
+    """`prepare_output_dir`, once, when training begins: after the script has checked its arguments, data and model
+    and the Trainer has built the optimizer and schedule from their flags, wrapped the model and loaded the checkpoint
+    it resumes from, each of which can still refuse an argument."""
+
+    def __init__(self, folder: RunFolder | None):
+        self.folder = folder
+
+    def prepare(self) -> None:
+        folder, self.folder = self.folder, None  # a second train() must not remove the first one's checkpoints
+        prepare_output_dir(folder)
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.prepare()
 
 
 class RunTracker(TrainerCallback, ExportableState):
@@ -326,13 +342,15 @@ class RunTracker(TrainerCallback, ExportableState):
 
 class RunTrainerMixin(Trainer):
     """A Trainer with a RunTracker built from the RunArguments; its logs carry the run's training minutes, and its
-    learning-rate schedule cools down with --cooldown_minutes."""
+    learning-rate schedule cools down with --cooldown_minutes. `run_folder` (`check_output_dir`'s) is prepared when
+    training begins."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, run_folder: RunFolder | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         options = self.args
         minutes = (options.max_train_minutes, options.eval_every_minutes, options.save_every_minutes)
         self.add_callback(RunTracker(*minutes, cooldown_minutes=options.cooldown_minutes))
+        self.add_callback(FolderPreparation(run_folder))
         if options.average_last_checkpoints and self.is_fsdp_enabled:  # known once the accelerator is set up
             raise ValueError("--average_last_checkpoints loads whole weights into the model, which FSDP shards.")
 
@@ -349,9 +367,16 @@ class RunTrainerMixin(Trainer):
             scheduler.lr_lambdas = [lambda step, rate=rate: rate(step) * factor() for rate in scheduler.lr_lambdas]
         return scheduler
 
+    def callback_of(self, kind: type[TrainerCallback]) -> Any:
+        return next(callback for callback in self.callback_handler.callbacks if isinstance(callback, kind))
+
     @property
     def run_tracker(self) -> RunTracker:
-        return next(callback for callback in self.callback_handler.callbacks if isinstance(callback, RunTracker))
+        return self.callback_of(RunTracker)
+
+    @property
+    def folder_preparation(self) -> FolderPreparation:
+        return self.callback_of(FolderPreparation)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         logs["train_minutes"] = round(self.run_tracker.elapsed_seconds() / 60, 4)
@@ -420,6 +445,7 @@ def train_and_choose_weights(trainer: Trainer, evaluate: Callable[[], dict[str, 
     checkpoint = Path(args.resume_from_checkpoint) if args.resume_from_checkpoint else None
     if checkpoint is not None and finished_run(checkpoint, args):
         logger.info("%s ends the run: its weights are loaded, nothing is trained", checkpoint)
+        trainer.folder_preparation.prepare()  # no training begins to do it
         load_weights(trainer.model, checkpoint_weights(checkpoint))
         trainer.state = TrainerState.load_from_json(str(checkpoint / TRAINER_STATE))
         trainer.run_tracker.restore(trainer.state)

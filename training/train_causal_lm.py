@@ -31,7 +31,7 @@ from run_common import (
     schedule_description,
     train_then_evaluate_perplexity,
 )
-from run_control import RunArguments, RunTrainerMixin, check_output_dir, prepare_output_dir
+from run_control import RunArguments, RunTrainerMixin, check_output_dir
 from train_tokenizer import train_bpe_tokenizer
 from transformers import (
     AutoModelForCausalLM,
@@ -168,12 +168,12 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     trainer = PaperTrainer(
         model=model,
         args=training_args,
+        run_folder=folder,  # prepared when training begins, after every check
         train_dataset=splits.get("train"),
         eval_dataset=splits.get("validation"),
         processing_class=tokenizer,
         data_collator=default_data_collator,
     )
-    prepare_output_dir(folder)
     metrics = train_then_evaluate_perplexity(trainer)
     recipe = {
         "preset": model_args.model_name_or_path or model_args.preset,

@@ -30,7 +30,7 @@ from run_common import (
     plt,
     required_split,
 )
-from run_control import RunArguments, check_output_dir, prepare_output_dir, train_and_choose_weights
+from run_control import RunArguments, check_output_dir, train_and_choose_weights
 from train_causal_lm import PaperTrainer
 from train_tokenizer import train_bpe_tokenizer
 from transformers import (
@@ -214,13 +214,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     trainer = PaperTrainer(
         model=model,
         args=training_args,
+        run_folder=folder,  # prepared when training begins, after every check
         train_dataset=splits.get("train"),
         eval_dataset=splits.get("validation"),
         processing_class=tokenizer,
         data_collator=DataCollatorWithPadding(tokenizer),
         compute_metrics=metrics_for(len(names)),
     )
-    prepare_output_dir(folder)
     metrics = train_and_choose_weights(trainer, trainer.evaluate)
     trainer.save_model()
     trainer.save_state()  # trainer_state.json: the log history, i.e. the learning curve

@@ -37,7 +37,7 @@ from run_common import (
     plot_training_curves,
     pretrained_model_kwargs,
 )
-from run_control import check_output_dir, prepare_output_dir, train_and_choose_weights
+from run_control import check_output_dir, train_and_choose_weights
 from train_causal_lm import PaperTrainer
 from train_classifier import (
     FineTuningArguments,
@@ -269,6 +269,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     trainer = ImageTrainer(
         model=model,
         args=training_args,
+        run_folder=folder,  # prepared when training begins, after every check
         train_dataset=splits.get("train"),
         eval_dataset=splits.get("validation"),
         processing_class=image_processor,  # saved beside the model, for AutoImageProcessor and the pipeline
@@ -276,7 +277,6 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         train_collator=AugmentingCollator(data_args),
         compute_metrics=metrics_for(len(names)),
     )
-    prepare_output_dir(folder)
     metrics = train_and_choose_weights(trainer, trainer.evaluate)
     trainer.save_model()
     trainer.save_state()

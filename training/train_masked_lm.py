@@ -26,7 +26,7 @@ from run_common import (
     schedule_description,
     train_then_evaluate_perplexity,
 )
-from run_control import check_output_dir, prepare_output_dir
+from run_control import check_output_dir
 from train_causal_lm import PaperTrainer, PaperTrainingArguments
 from train_tokenizer import train_bpe_tokenizer
 from transformers import (
@@ -99,6 +99,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     trainer = PaperTrainer(
         model=model,
         args=training_args,
+        run_folder=folder,  # prepared when training begins, after every check
         train_dataset=splits.get("train"),
         eval_dataset=splits.get("validation"),
         processing_class=tokenizer,
@@ -106,7 +107,6 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             tokenizer, mlm_probability=data_args.mlm_probability, seed=training_args.seed
         ),
     )
-    prepare_output_dir(folder)
     metrics = train_then_evaluate_perplexity(trainer)
     recipe = {
         "preset": model_args.model_name_or_path or model_args.preset,

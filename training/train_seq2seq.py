@@ -45,13 +45,7 @@ from run_common import (
     save_run,
     schedule_description,
 )
-from run_control import (
-    RunArguments,
-    RunTrainerMixin,
-    check_output_dir,
-    prepare_output_dir,
-    train_and_evaluate,
-)
+from run_control import RunArguments, RunTrainerMixin, check_output_dir, train_and_evaluate
 from train_tokenizer import train_bpe_tokenizer
 from training_batches import BatchingArguments, TrainingBatchesMixin, sequence_slots, token_budget_sampler
 from transformers import (
@@ -330,6 +324,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     trainer = PaperSeq2SeqTrainer(
         model=model,
         args=training_args,
+        run_folder=folder,  # prepared when training begins, after every check
         train_dataset=splits.get("train"),
         eval_dataset=splits.get("validation"),
         processing_class=tokenizer,
@@ -338,7 +333,6 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         train_batch_sampler=sampler,
         compute_metrics=translation_metrics(tokenizer) if training_args.predict_with_generate else None,
     )
-    prepare_output_dir(folder)  # after every check above: a bad argument has left the folder as it was
     metrics = train_and_evaluate(trainer, lambda: trainer.evaluate(metric_key_prefix="eval"))
     if training_args.do_predict:  # the test set is decoded once, with the weights the validation set chose
         prediction = trainer.predict(splits["test"], metric_key_prefix="test")

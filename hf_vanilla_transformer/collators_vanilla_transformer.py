@@ -44,9 +44,11 @@ class DataCollatorForSeq2SeqWithFlattening:
     Packed rows, so that attention needs no variable-length kernel (`row_length`): the pairs are packed into rows of
     `row_length` tokens (first fit, longest first), each row holding whole sentences, in the same order on both
     sides, and ending with a sequence of pad tokens up to its length (labels -100; empty where the row is full):
-    (rows, row_length) tensors with offsets over all their tokens. Without a kernel, attention runs per row under a
-    mask that keeps each sentence to itself, as a padded batch runs it; with one, over the offsets. `num_rows` fixes
-    the number of rows (the unused ones all padding).
+    (rows, row_length) tensors with offsets over all their tokens. Where the pairs fill a row's source side, the
+    target's padding ends the row's last target instead (the padding's sequence left empty on both sides), so that
+    every target token has source tokens to attend to. Without a kernel, attention runs per row under a mask that
+    keeps each sentence to itself, as a padded batch runs it; with one, over the offsets. `num_rows` fixes the number
+    of rows (the unused ones all padding).
 
     Each option returns every batch flattened or packed. The sequences of source and target always pair up one
     to one: cross-attention reads target sequence i against source sequence i. (A Mixture-of-Experts router also
@@ -106,6 +108,7 @@ class DataCollatorForSeq2SeqWithFlattening:
         return self.pad_to_multiple_of is not None or self.num_sequences is not None or self.row_length is not None
 
     def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
+        check_features(features)
         sources = [torch.as_tensor(feature["input_ids"], dtype=torch.long) for feature in features]
         labels = [torch.as_tensor(feature["labels"], dtype=torch.long) for feature in features]
         if any(len(sequence) == 0 for sequence in sources + labels):
@@ -170,7 +173,14 @@ class DataCollatorForSeq2SeqWithFlattening:
                 ("labels", labels, IGNORE_INDEX, target_size),
                 ("decoder_input_ids", decoder_inputs, self.pad_token_id, target_size),
             ):
-                streams[name] += [sequences[pair] for pair in pairs] + [torch.full((width - used,), padding)]
+                row = [sequences[pair] for pair in pairs] + [torch.full((width - used,), padding)]
+                if source_size == width:
+                    # A full source side leaves the padding's sequence no source token: its target tokens would
+                    # cross-attend over no keys, which the kernels leave undefined. They end the row's last target
+                    # instead, after its tokens (causal attention keeps them from those); the padding's sequence
+                    # stays, empty on both sides, so that every row keeps its number of sequences.
+                    row[-2:] = [torch.cat(row[-2:]), row[-1][:0]]
+                streams[name] += row
         shape = (len(rows), width)
         return dict(
             **{name: torch.cat(sequences).view(shape) for name, sequences in streams.items()},
@@ -201,6 +211,19 @@ class DataCollatorForSeq2SeqWithFlattening:
             f"cu_seq_lens_{side}": offsets_of(sequences + empty_slots),
             f"max_length_{side}": self.round_up(longest),
         }
+
+
+def check_features(features: list[dict[str, Any]]) -> None:
+    """What a batch needs, said by name before torch fails without one."""
+    if not features:
+        raise ValueError("DataCollatorForSeq2SeqWithFlattening got no features: a batch needs at least one pair.")
+    for index, feature in enumerate(features):
+        missing = [key for key in ("input_ids", "labels") if key not in feature]
+        if missing:
+            raise ValueError(
+                f"Feature {index} has no {' and no '.join(missing)} (it has {sorted(feature)}): every feature needs "
+                "input_ids (the source token ids) and labels (the target token ids)."
+            )
 
 
 def first_set(*values):
@@ -255,7 +278,8 @@ def seq2seq_training_collator(
 ) -> "DataCollatorForSeq2SeqWithFlattening | DataCollatorForSeq2Seq":
     """The training collator of `preferred_layout`: `DataCollatorForSeq2SeqWithFlattening` with the static-shape
     options, or transformers' `DataCollatorForSeq2Seq` padding to `pad_to_multiple_of` (default
-    `PADDED_MULTIPLE_OF`). The padded layout has no sequence slots: there `num_sequences` does nothing. Logs the choice."""
+    `PADDED_MULTIPLE_OF`). The padded layout has no sequence slots: there `num_sequences` does nothing. Logs the
+    choice."""
     layout, reason = layout_choice(model, device, half_precision)
     logger.info("Training batches: the %s layout (%s)", layout, reason)
     if layout == "flattened":

@@ -2,7 +2,8 @@
 
     load    an encoder-decoder checkpoint is refused by the heads on one stack; a tied source missing from the
             checkpoint stays missing (and is initialised); experts run "sorted_grouped_mm" unless asked otherwise
-    save    `auto_map` names every head that can load the checkpoint, and the code of each is copied beside it
+    save    `auto_map` names every head that can load the checkpoint, and the code of each is copied beside it (a
+            model loaded as remote code fetches the heads' code its load did not copy from its checkpoint)
     shard   the parallelism plans keep the rules that name a module of the model; what transformers' engine cannot
             shard is refused before any weight is read; tied weights gathered from shards are saved once
 """
@@ -11,13 +12,17 @@ import shutil
 from itertools import chain
 from pathlib import Path
 
+from huggingface_hub.errors import HFValidationError
 from transformers import PreTrainedConfig
 from transformers.distributed.parallel_utils import replace_layer_number_by_wildcard
-from transformers.dynamic_module_utils import get_relative_import_files
+from transformers.dynamic_module_utils import HF_MODULES_CACHE, get_cached_module_file, get_relative_import_files
 from transformers.modeling_utils import PreTrainedModel
+from transformers.utils import logging
 
 from .auto_vanilla_transformer import HEADS, auto_map, loaders
 from .moe_kernels_vanilla_transformer import SORTED_GROUPED_MM
+
+logger = logging.get_logger(__name__)
 
 # The from_pretrained arguments that say where a checkpoint is, to read its config before choosing the class.
 HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder", "trust_remote_code")
@@ -66,12 +71,20 @@ class LoadSaveShardMixin:
     def save_pretrained(self, save_directory, *args, **kwargs) -> None:
         # transformers writes the saved class's own Auto class into `auto_map` and copies its module (and the modules
         # it imports); a checkpoint here also names every head that can load it (a causal LM's loads as a GPT-style
-        # classifier), so each of their modules is copied too: a sibling of this one, with the siblings it imports.
-        self.config.auto_map = auto_map(self.config, type(self).__name__)
+        # classifier), so each of their modules is copied too, with the modules it imports. `auto_map` names only
+        # the heads whose code is copied: a checkpoint never names code it lacks.
+        model_class = type(self).__name__
+        modules = {head.module for head in loaders(self.config, model_class).values()}
+        module_files = {module: sibling_module_file(module, self.config) for module in modules}
+        lacking = {module for module, file in module_files.items() if file is None}
+        self.config.auto_map = {
+            auto_class: reference
+            for auto_class, reference in auto_map(self.config, model_class).items()
+            if reference.split(".")[0] not in lacking
+        }
         super().save_pretrained(save_directory, *args, **kwargs)
         if self.is_remote_code():
-            for module in {head.module for head in loaders(self.config, type(self).__name__).values()}:
-                module_file = Path(__file__).with_name(f"{module}.py")
+            for module_file in filter(None, module_files.values()):
                 for file in (module_file, *get_relative_import_files(module_file)):
                     shutil.copyfile(file, Path(save_directory) / Path(file).name)
 
@@ -111,6 +124,26 @@ class LoadSaveShardMixin:
         # Asked for none, transformers picks its "grouped_mm"; ours makes the same grouped matmuls with fewer passes
         # over the rows around them, and takes the expert sizes torch's grouped_mm kernel refuses.
         return super().get_correct_experts_implementation(requested_experts or SORTED_GROUPED_MM)
+
+
+def sibling_module_file(module: str, config: PreTrainedConfig) -> Path | None:
+    """The file of a sibling module: beside this one (the package, or transformers' copy of a checkpoint's code, which
+    holds only the modules the loaded class imports), else fetched by transformers from the checkpoint the model was
+    loaded from (`config.name_or_path`); None, with a warning, where neither has it."""
+    beside = Path(__file__).with_name(f"{module}.py")
+    if beside.is_file():
+        return beside
+    # transformers keeps a Hub checkpoint's code in a folder named after its commit: the other heads' code comes from
+    # the same commit (a local checkpoint's folder is named after a hash of its files, and its load ignores revisions).
+    source, revision = config.name_or_path, beside.parent.name
+    try:
+        return Path(HF_MODULES_CACHE) / get_cached_module_file(source, f"{module}.py", revision=revision)
+    except (OSError, HFValidationError) as error:  # not there; a folder that is gone is no Hub name either
+        logger.warning(
+            "%s.py is neither beside %s nor in %r (%s): the saved auto_map leaves out its heads",
+            module, beside.parent, source, error,
+        )  # fmt: skip
+        return None
 
 
 def check_parallelism(model: PreTrainedModel, distributed_config) -> None:

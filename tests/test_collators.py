@@ -277,3 +277,61 @@ def test_packed_rows_of_fixed_shape_compile_once():
     batches = [collator(pairs[start : start + 8]) for start in range(0, 400, 8)]
     assert {tuple(batch["input_ids"].shape) for batch in batches} == {(8, 48)}
     assert graphs_compiled(model, batches) == 1
+
+
+# --- what a batch needs ---------------------------------------------------------------------------------------------
+
+
+def test_packed_rows_give_every_target_sequence_source_tokens():
+    """Rows whose pairs fill their source side exactly (5 + 0 and 3 + 2 source tokens in rows of 5) would leave the
+    padding's target tokens an empty source sequence, cross-attention over no keys: their padding ends the row's last
+    target instead, and the padding's sequence is left empty on both sides (each row keeps its number of sequences).
+    Every pair of sequences with target tokens has source tokens, and the step's loss and gradients are still the
+    plain flattened batch's."""
+    model = translation_model()
+    features = random_pairs((5, 3, 2), (2, 3, 1))
+    rows = DataCollatorForSeq2SeqWithFlattening(model, row_length=5)(features)
+    source_lengths, target_lengths = rows["cu_seq_lens_k"].diff().tolist(), rows["cu_seq_lens_q"].diff().tolist()
+    assert list(zip(source_lengths, target_lengths)) == [(5, 5), (0, 0), (3, 3), (2, 2), (0, 0)]
+    assert rows["labels"][0].tolist() == [*features[0]["labels"], -100, -100, -100]
+    assert rows["decoder_position_ids"].tolist() == [[0, 1, 2, 3, 4], [0, 1, 2, 0, 1]]
+    loss, gradients = loss_and_gradients(model, rows)
+    expected_loss, expected_gradients = loss_and_gradients(model, DataCollatorForSeq2SeqWithFlattening(model)(features))
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=1e-6)
+    for gradient, expected in zip(gradients, expected_gradients, strict=True):
+        torch.testing.assert_close(gradient, expected, rtol=1e-4, atol=1e-6)
+
+
+def test_packed_rows_of_many_batches_pair_no_target_with_an_empty_source():
+    """50 batches of 8 Multi30k-like pairs in rows as long as their longest sentence (where full source sides are
+    common): every pair of sequences with target tokens has source tokens, and every batch as many sequences."""
+    pairs = multi30k_like_pairs(400, seed=2)
+    full_source_sides = 0
+    for start in range(0, 400, 8):
+        features = pairs[start : start + 8]
+        width = max(max(len(pair["input_ids"]), len(pair["labels"])) for pair in features)
+        rows = DataCollatorForSeq2SeqWithFlattening(decoder_start_token_id=START, pad_token_id=PAD, row_length=width)(
+            features
+        )
+        sources, targets = rows["cu_seq_lens_k"].diff(), rows["cu_seq_lens_q"].diff()
+        assert len(sources) == len(targets) == len(features) + len(rows["input_ids"])
+        assert not bool(((targets > 0) & (sources == 0)).any()), (sources, targets)
+        full_source_sides += sum(rows["input_ids"][:, -1] != PAD).item()
+    assert full_source_sides > 0  # the case the guarantee is for did occur
+
+
+@pytest.mark.parametrize(
+    ("features", "message"),
+    [
+        ([], "got no features: a batch needs at least one pair"),
+        (
+            [{"input_ids": [5, 6], "labels": [7]}, {"input_ids": [5]}],
+            r"Feature 1 has no labels \(it has \['input_ids'\]\)",
+        ),
+        ([{"labels": [7]}], "Feature 0 has no input_ids"),
+    ],
+)
+def test_a_batch_without_pairs_or_labels_is_refused_by_name(features, message):
+    collator = DataCollatorForSeq2SeqWithFlattening(decoder_start_token_id=START, pad_token_id=PAD)
+    with pytest.raises(ValueError, match=message):
+        collator(features)

@@ -38,6 +38,7 @@ sys.path.insert(0, str(SCRIPT.parent))
 import train_seq2seq  # noqa: E402
 
 FSDP_CONFIG = REPO / "training" / "accelerate_configs" / "fsdp.yaml"
+DDP_CONFIG = FSDP_CONFIG.with_name("ddp.yaml")
 RANK_TIMEOUT_S = 240
 
 # No dropout and no label smoothing: dropout masks differ per rank, and the Trainer's label smoother averages each
@@ -49,8 +50,8 @@ TINY += "encoder_attention_heads=2,decoder_attention_heads=2,dropout=0"
 MOE = ",num_experts=4,num_experts_per_tok=2,num_shared_experts=1,router_aux_loss_coef=0,router_z_loss_coef=0"
 COMMON = ["--preset", "demo-small", "--tokenizer_vocab_size", "300", "--demo_train_size", "64"]
 COMMON += ["--report_to", "none", "--disable_tqdm", "true", "--dataloader_pin_memory", "false", "--seed", "0"]
-COMMON += ["--label_smoothing_factor", "0", "--warmup_steps", "8", "--do_train", "--max_steps", "4"]
-COMMON += ["--logging_steps", "1", "--save_steps", "2"]
+COMMON += ["--label_smoothing_factor", "0", "--warmup_steps", "8", "--do_train", "--logging_steps", "1"]
+FOUR_STEPS = ["--max_steps", "4", "--save_steps", "2"]
 GLOBAL_BATCH = 16
 
 
@@ -61,9 +62,9 @@ def launch_environment(config_file: Path, num_processes: int) -> dict[str, str]:
     return {key: value for key, value in prepare_multi_gpu_env(args).items() if os.environ.get(key) != value}
 
 
-def run_fsdp_ranks(argv: list[str], log_dir: Path, num_processes: int = 2) -> None:
-    """The training script as the ranks `accelerate launch` (FSDP2) would start."""
-    env = launch_environment(FSDP_CONFIG, num_processes)
+def run_fsdp_ranks(argv: list[str], log_dir: Path, num_processes: int = 2, config: Path = FSDP_CONFIG) -> None:
+    """The training script as the ranks `accelerate launch --config_file config` (FSDP2 by default) would start."""
+    env = launch_environment(config, num_processes)
     run_ranks([str(SCRIPT), *argv], log_dir, RANK_TIMEOUT_S, num_processes, env)
 
 
@@ -75,7 +76,7 @@ def logged(run_dir: Path, key: str) -> list[float]:
 def trained_pair(tmp_path_factory, name: str, overrides: str) -> tuple[Path, Path]:
     """The same 4 steps on two FSDP ranks (batch 8 each) and in one process (batch 16)."""
     fsdp_dir, single_dir = tmp_path_factory.mktemp(f"{name}_fsdp"), tmp_path_factory.mktemp(f"{name}_single")
-    argv = [*COMMON, "--config_overrides", overrides]
+    argv = [*COMMON, *FOUR_STEPS, "--config_overrides", overrides]
     fsdp_argv = [*argv, "--output_dir", str(fsdp_dir), "--per_device_train_batch_size", str(GLOBAL_BATCH // 2)]
     run_fsdp_ranks(fsdp_argv, log_dir=tmp_path_factory.mktemp(f"{name}_logs"))
     train_seq2seq.main([*argv, "--output_dir", str(single_dir), "--per_device_train_batch_size", str(GLOBAL_BATCH)])
@@ -144,7 +145,7 @@ def test_fsdp_resumes_from_its_sharded_checkpoint(dense_runs, tmp_path):
     uninterrupted run, bit for bit."""
     fsdp_dir, _ = dense_runs
     shutil.copytree(fsdp_dir / "checkpoint-2", tmp_path / "checkpoint-2")
-    argv = [*COMMON, "--config_overrides", TINY, "--output_dir", str(tmp_path)]
+    argv = [*COMMON, *FOUR_STEPS, "--config_overrides", TINY, "--output_dir", str(tmp_path)]
     argv += ["--per_device_train_batch_size", str(GLOBAL_BATCH // 2)]
     run_fsdp_ranks([*argv, "--resume_from_checkpoint", str(tmp_path / "checkpoint-2")], log_dir=tmp_path)
     uninterrupted, resumed = load_file(fsdp_dir / "model.safetensors"), load_file(tmp_path / "model.safetensors")
@@ -152,6 +153,31 @@ def test_fsdp_resumes_from_its_sharded_checkpoint(dense_runs, tmp_path):
     for name, tensor in uninterrupted.items():
         assert torch.equal(tensor, resumed[name]), name
     assert logged(tmp_path, "loss") == logged(fsdp_dir, "loss")  # steps 1-2 from the checkpoint's history
+
+
+def test_ddp_resumed_inside_an_epoch_of_token_budget_batches_trains_the_uninterrupted_batches(tmp_path):
+    """Two DDP ranks on --max_tokens batches (8 an epoch, 4 steps of one batch per rank), resumed from the step-6
+    checkpoint inside the second epoch, end with the uninterrupted run's losses and weights, bit for bit. Accelerate
+    hands each rank every other batch through its own sampler around the script's, and a resumed epoch another one
+    that skips the batches trained: the epoch must still reach the script's sampler, or the resumed run trains the
+    first epoch's order again. The throughput reported counts the pairs of both ranks: two epochs of all 60 pairs."""
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    argv = [*COMMON, "--config_overrides", TINY, "--max_tokens", "288", "--demo_train_size", "60"]
+    argv += ["--max_steps", "8", "--save_steps", "6"]
+    run_fsdp_ranks([*argv, "--output_dir", str(full)], tmp_path, config=DDP_CONFIG)
+    state = json.loads((full / "checkpoint-6" / "trainer_state.json").read_text())
+    assert 1 < state["epoch"] < 2
+    results = json.loads((full / "all_results.json").read_text())
+    assert results["train_pairs_per_second"] == round(2 * 60 / results["train_runtime"], 3)
+    shutil.copytree(full / "checkpoint-6", resumed / "checkpoint-6")
+    argv += ["--output_dir", str(resumed), "--resume_from_checkpoint", str(resumed / "checkpoint-6")]
+    run_fsdp_ranks(argv, tmp_path, config=DDP_CONFIG)
+    histories = [json.loads((run / "trainer_state.json").read_text())["log_history"] for run in (full, resumed)]
+    uninterrupted_losses, resumed_losses = ([(e["step"], e["loss"]) for e in h if "loss" in e] for h in histories)
+    assert len(uninterrupted_losses) == 8 and resumed_losses == uninterrupted_losses
+    uninterrupted, after_resume = load_file(full / "model.safetensors"), load_file(resumed / "model.safetensors")
+    for name, tensor in uninterrupted.items():
+        assert torch.equal(tensor, after_resume[name]), name
 
 
 def auto_values(config: dict | list, path: str = "") -> list[str]:

@@ -26,6 +26,9 @@ import average_checkpoints  # noqa: E402
 import run_common  # noqa: E402
 import run_control  # noqa: E402
 import train_causal_lm  # noqa: E402
+import train_classifier  # noqa: E402
+import train_image_classifier  # noqa: E402
+import train_masked_lm  # noqa: E402
 import train_seq2seq  # noqa: E402
 from demo_text_data import word_tokenizer  # noqa: E402
 from test_training_scripts import QUIET, SEQ2SEQ_DEMO, TINY_MODEL, weights  # noqa: E402
@@ -159,6 +162,64 @@ def test_causal_lm_text_column_is_checked_before_tokenizer_training(tmp_path, mo
             [*TINY_MODEL, *QUIET, "--output_dir", str(tmp_path / "o"), "--do_train", "--text_column", "body"]
             + ["--train_file", str(tmp_path / "train.jsonl")]
         )
+
+
+SHORT_RUN = [*QUIET, "--do_train", "--max_steps", "2", "--warmup_steps", "1"]
+TEXT_DEMO = ["--demo_train_size", "200", "--demo_validation_size", "10"]
+SCRIPTS = {  # each script, and the arguments of a short run of it on its demo data
+    "seq2seq": (train_seq2seq, [*TINY_MODEL, *SHORT_RUN, *TEXT_DEMO]),
+    "seq2seq from Marian": (train_seq2seq, [*SHORT_RUN, *TEXT_DEMO, "--model_name_or_path", "{tmp}/marian"]),
+    "causal LM": (train_causal_lm, [*TINY_MODEL, *SHORT_RUN, *TEXT_DEMO, "--block_size", "32"]),
+    "masked LM": (train_masked_lm, [*TINY_MODEL, *SHORT_RUN, *TEXT_DEMO]),
+    "classifier": (train_classifier, [*TINY_MODEL, *SHORT_RUN]),
+    "image classifier": (
+        train_image_classifier,
+        ["--config_overrides", "d_model=16,encoder_layers=1,encoder_attention_heads=2,encoder_ffn_dim=32", *SHORT_RUN],
+    ),
+}
+
+
+def folder_contents(folder: Path) -> dict[str, bytes]:
+    return {str(path.relative_to(folder)): path.read_bytes() for path in folder.rglob("*") if path.is_file()}
+
+
+@pytest.mark.parametrize(
+    ("script", "arguments", "message"),
+    [
+        ("seq2seq", ["--config_overrides", "norm_position=sideways"], "'norm_position' expected"),
+        ("seq2seq", ["--warmup_steps", "0"], r"The Noam schedule needs --warmup_steps > 0, got 0"),
+        ("seq2seq", ["--source_lang", "fr"], "--source_lang 'fr' is not a language of the train data"),
+        ("seq2seq", ["--do_predict"], r"--do_predict needs a test split; got \['train', 'validation'\]"),
+        ("seq2seq", ["--max_tokens", "8"], "--max_tokens 8 cannot hold the longest training pair"),
+        ("seq2seq from Marian", ["--num_sequences", "9"], "--num_sequences fixes the sequence slots of flattened"),
+        ("causal LM", ["--block_size", "1"], "--block_size must be at least 2"),
+        ("causal LM", ["--text_column", "body"], "--text_column 'body' is not in the data"),
+        ("causal LM", ["--train_file", "{tmp}/texts.jsonl", "--do_eval"], "--do_eval needs a validation split"),
+        ("masked LM", ["--mlm_probability", "1.5"], r"--mlm_probability must be in \(0, 1\)"),
+        ("masked LM", ["--do_eval", "--validation_split", "dev"], "--do_eval needs a validation split"),
+        ("classifier", ["--label_column", "topic"], "--label_column 'topic' is not in the data"),
+        ("classifier", ["--do_eval", "--validation_split", "dev"], "--do_eval needs a validation split"),
+        ("classifier", ["--lr_scheduler_type", "linear", "--lr_scheduler_kwargs", '{"num_cycles": 2}'], "num_cycles"),
+        ("image classifier", ["--image_column_name", "picture"], "--image_column_name 'picture' is not in the data"),
+        ("image classifier", ["--config_overrides", "norm_position=sideways"], "--config_overrides: .*norm_position"),
+        ("image classifier", ["--do_eval", "--validation_split", "dev", "--train_val_split", "0"], "--do_eval needs"),
+    ],
+)  # fmt: skip
+def test_a_bad_argument_leaves_the_previous_run_as_it_was(finished_run, tmp_path, script, arguments, message):
+    """Every check that can fail (flags, the data against them, the token budget against the longest pair, the layout
+    against the model and device, the model config, the schedule the Trainer builds as training starts) fails before
+    --overwrite_output_dir removes anything: the folder of the previous run keeps every file as it was."""
+    output_dir = copy_of(finished_run[0], tmp_path)
+    before = folder_contents(output_dir)
+    assert "checkpoint-8/model.safetensors" in before  # what --overwrite_output_dir would remove
+    module, run = SCRIPTS[script]
+    if "{tmp}/marian" in run:
+        tiny_marian(tmp_path / "marian")
+    (tmp_path / "texts.jsonl").write_text(json.dumps({"text": "one plus one is two"}) + "\n")
+    argv = [argument.replace("{tmp}", str(tmp_path)) for argument in [*run, *arguments]]
+    with pytest.raises((ValueError, TypeError), match=message):  # TypeError: a schedule's unknown keyword
+        module.main([*argv, "--output_dir", str(output_dir), "--overwrite_output_dir"])
+    assert folder_contents(output_dir) == before
 
 
 @pytest.mark.parametrize("make_tokenizer", ["bpe", "word"])
@@ -334,15 +395,8 @@ def test_time_budget_stops_then_averages_and_scores_the_test_set(tmp_path, monke
     assert "bleu_lowercase" in card and "training minutes" in card
 
 
-def test_a_saved_transformers_seq2seq_model_trains_with_the_script(tmp_path):
-    """What the recipe's INIT_MODEL does (benchmarks/multi30k_time_to_bleu.py trains HF Marian so): any saved seq2seq
-    model and its tokenizer train with the script's flags, checkpoint averaging included (Marian never saves its
-    fixed sinusoid tables); the run's log history is kept (trainer_state.json), and the package's model card is
-    written for its own models only."""
-    files = {
-        split: write_pairs(tmp_path / f"{split}.jsonl", PAIRS[:size])
-        for split, size in [("train", 40), ("validation", 6)]
-    }
+def tiny_marian(folder: Path) -> Path:
+    """A new HF Marian model and its BPE tokenizer (of PAIRS) saved in `folder`, as the recipe's INIT_MODEL."""
     tokenizer = train_bpe_tokenizer((text for pair in PAIRS for text in pair), 120)
     start_id = tokenizer.bos_token_id
     config = MarianConfig(
@@ -362,9 +416,21 @@ def test_a_saved_transformers_seq2seq_model_trains_with_the_script(tmp_path):
         decoder_start_token_id=start_id,
     )
     torch.manual_seed(0)
-    init_dir, output_dir = tmp_path / "marian-init", tmp_path / "out"
-    MarianMTModel(config).save_pretrained(init_dir)
-    tokenizer.save_pretrained(init_dir)
+    MarianMTModel(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_a_saved_transformers_seq2seq_model_trains_with_the_script(tmp_path):
+    """What the recipe's INIT_MODEL does (benchmarks/multi30k_time_to_bleu.py trains HF Marian so): any saved seq2seq
+    model and its tokenizer train with the script's flags, checkpoint averaging included (Marian never saves its
+    fixed sinusoid tables); the run's log history is kept (trainer_state.json), and the package's model card is
+    written for its own models only."""
+    files = {
+        split: write_pairs(tmp_path / f"{split}.jsonl", PAIRS[:size])
+        for split, size in [("train", 40), ("validation", 6)]
+    }
+    init_dir, output_dir = tiny_marian(tmp_path / "marian-init"), tmp_path / "out"
     metrics = train_seq2seq.main(
         [*QUIET, "--model_name_or_path", str(init_dir), "--output_dir", str(output_dir), "--do_train", "--do_eval"]
         + ["--train_file", str(files["train"]), "--validation_file", str(files["validation"])]

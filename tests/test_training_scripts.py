@@ -481,15 +481,17 @@ class TrainerBuilt(Exception):
     """Stops a script once its trainer exists."""
 
 
-def record_trainer(monkeypatch) -> dict:
-    """Replace the script's trainer with one that records itself and stops the script (raising TrainerBuilt)."""
+def record_trainer(monkeypatch, stop: bool = True) -> dict:
+    """Replace the script's trainer with one that records itself and, with `stop`, stops the script (raising
+    TrainerBuilt)."""
     seen = {}
 
     class RecordingTrainer(train_seq2seq.PaperSeq2SeqTrainer):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             seen["trainer"] = self
-            raise TrainerBuilt
+            if stop:
+                raise TrainerBuilt
 
     monkeypatch.setattr(train_seq2seq, "PaperSeq2SeqTrainer", RecordingTrainer)
     return seen
@@ -519,6 +521,24 @@ def test_max_tokens_reaches_the_trainers_train_dataloader_in_static_shapes(tmp_p
             assert len(batch[offsets]) == sampler.largest_batch + 2
     evaluation = next(iter(trainer.get_eval_dataloader()))
     assert evaluation["input_ids"].shape[0] == 16 and "cu_seq_lens_k" not in evaluation
+
+
+def test_token_budget_runs_report_the_pairs_and_tokens_they_trained_on(tmp_path, monkeypatch):
+    """With --max_tokens a step holds the pairs that fit the budget, not --per_device_train_batch_size of them: the
+    throughput reported at the end counts the pairs and tokens (source and target, no padding) of the batches
+    trained on, the epoch's first --max_steps batches, per second of train_runtime."""
+    seen = record_trainer(monkeypatch, stop=False)
+    argv = [*SEQ2SEQ_DEMO, "--output_dir", str(tmp_path / "run"), "--do_train", "--demo_train_size", "60"]
+    metrics = train_seq2seq.main([*argv, "--max_tokens", "256", "--max_steps", "3", "--save_strategy", "no"])
+    trainer = seen["trainer"]
+    trainer.train_batch_sampler.set_epoch(0)
+    trained = [index for batch in list(trainer.train_batch_sampler)[:3] for index in batch]
+    examples = trainer.train_dataset.select(trained)
+    tokens = sum(len(source) + len(target) for source, target in zip(examples["input_ids"], examples["labels"]))
+    assert len(trained) != 3 * training_batches.DEFAULT_BATCH_SIZE  # what the Trainer would count
+    runtime = metrics["train_runtime"]
+    assert metrics["train_pairs_per_second"] == metrics["train_samples_per_second"] == round(len(trained) / runtime, 3)
+    assert metrics["train_tokens_per_second"] == round(tokens / runtime, 3)
 
 
 def test_resume_with_token_budget_batches_equals_the_uninterrupted_run(tmp_path):

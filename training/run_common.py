@@ -111,6 +111,11 @@ class NoamArguments:
     adam_beta2: float = field(default=0.98, metadata={"help": "Adam beta2 (paper: 0.98)."})
     adam_epsilon: float = field(default=1e-9, metadata={"help": "Adam epsilon (paper: 1e-9)."})
 
+    def __post_init__(self):
+        if self.noam_schedule and self.warmup_steps <= 0:  # checked here, not when training starts
+            raise ValueError(f"The Noam schedule needs --warmup_steps > 0, got {self.warmup_steps}.")
+        super().__post_init__()
+
 
 def noam_learning_rate(step: int, d_model: int, warmup_steps: int, scale: float = 1.0) -> float:
     """§5.3, eq. 3: linear warm-up for `warmup_steps`, then decay with the inverse square root of the step number."""
@@ -351,12 +356,18 @@ def new_model_config(model_args: ModelArguments, tokenizer: PreTrainedTokenizerB
             decoder_start_token_id=start_id,
         )
     overrides = {**token_fields, **fields, **parse_config_overrides(model_args.config_overrides)}
-    try:
+    with config_errors_named("--config_overrides" if model_args.config_overrides else "--preset"):
         if model_args.preset == DEMO_PRESET:
             return VanillaTransformerConfig(**{**DEMO_SIZES, **overrides})
         return VanillaTransformerConfig.from_preset(model_args.preset, **overrides)
-    except (ValueError, TypeError, StrictDataclassError) as error:  # the config names the field; the flag is typed
-        flag = "--config_overrides" if model_args.config_overrides else "--preset"
+
+
+@contextmanager
+def config_errors_named(flag: str) -> Iterator[None]:
+    """A config's refusal as a ValueError naming the flag the user typed (the config names the field)."""
+    try:
+        yield
+    except (ValueError, TypeError, StrictDataclassError) as error:
         raise ValueError(f"{flag}: {error}") from error
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from accelerate import PartialState
 from average_checkpoints import (
     TRAINER_STATE,
     averaged_weights,
@@ -179,40 +180,83 @@ def remove_interrupted_checkpoints(output_dir: Path, world_size: int) -> None:
             shutil.rmtree(path)
 
 
-def prepare_output_dir(arguments: tuple[Any, ...]) -> None:
-    """Call after the arguments and data are checked and before anything is trained: refuse a folder that holds
-    another run (unless --overwrite_output_dir), or set --resume_from_checkpoint to this run's last complete checkpoint
-    when the same command runs again. `arguments` are the script's argument dataclasses, TrainingArguments last."""
+@dataclass
+class RunFolder:
+    """What a run does to its --output_dir: decided by `check_output_dir` from reading it, done by
+    `prepare_output_dir` once every other check has passed (`FolderPreparation`), so that a bad argument leaves the
+    folder as it was."""
+
+    training_args: Any
+    record: dict[str, Any]
+    remove_outputs: bool = False  # --overwrite_output_dir on another run's folder
+    resumes: bool = False  # the same command again: the checkpoints its killed saves left go
+
+
+def check_output_dir(arguments: tuple[Any, ...]) -> RunFolder | None:
+    """Call first, once the arguments are parsed: refuse a folder that holds another run (unless
+    --overwrite_output_dir), or set --resume_from_checkpoint to this run's last complete checkpoint when the same
+    command runs again. Reads the folder only; `prepare_output_dir` changes it. `arguments` are the script's argument
+    dataclasses, TrainingArguments last; None without --do_train."""
     training_args = arguments[-1]
     if not training_args.do_train:
-        return
+        return None
     output_dir, current = Path(training_args.output_dir), run_record(arguments)
-    world_size, main_process = training_args.world_size, training_args.process_index == 0
-    with training_args.main_process_first(desc="checking the output directory"):
-        recorded, chosen = read_run_record(output_dir), training_args.resume_from_checkpoint
-        holds_files = output_dir.is_dir() and any(path.name != RUN_RECORD for path in output_dir.iterdir())
-        if chosen is not None and (not holds_files or Path(chosen).resolve().parent == output_dir.resolve()):
-            pass  # the user's checkpoint continues its run here, with these arguments from now on
-        elif chosen is None and recorded == current:
-            if main_process:
-                remove_interrupted_checkpoints(output_dir, world_size)
-            complete = complete_checkpoints(output_dir, world_size)
-            if complete:
-                logger.info("%s holds this run: resuming from %s", output_dir, complete[-1].name)
-                training_args.resume_from_checkpoint = str(complete[-1])
-        elif holds_files:
-            if not training_args.overwrite_output_dir:
-                held = f"another run ({differences(recorded, current)})" if recorded else f"files but no {RUN_RECORD}"
-                complete = complete_checkpoints(output_dir, world_size) if recorded else []
-                resume = f", or --resume_from_checkpoint {complete[-1]} to continue that run" if complete else ""
-                raise ValueError(
-                    f"--output_dir {output_dir} holds {held}. Pass --overwrite_output_dir to replace it (its "
-                    f"checkpoints and weights are removed), another --output_dir{resume}."
-                )
-            if main_process:
+    folder = RunFolder(training_args, current)
+    world_size = training_args.world_size
+    recorded, chosen = read_run_record(output_dir), training_args.resume_from_checkpoint
+    holds_files = output_dir.is_dir() and any(path.name != RUN_RECORD for path in output_dir.iterdir())
+    if chosen is not None and (not holds_files or Path(chosen).resolve().parent == output_dir.resolve()):
+        pass  # the user's checkpoint continues its run here, with these arguments from now on
+    elif chosen is None and recorded == current:
+        folder.resumes = True
+        complete = complete_checkpoints(output_dir, world_size)
+        if complete:
+            logger.info("%s holds this run: resuming from %s", output_dir, complete[-1].name)
+            training_args.resume_from_checkpoint = str(complete[-1])
+    elif holds_files:
+        if not training_args.overwrite_output_dir:
+            held = f"another run ({differences(recorded, current)})" if recorded else f"files but no {RUN_RECORD}"
+            complete = complete_checkpoints(output_dir, world_size) if recorded else []
+            resume = f", or --resume_from_checkpoint {complete[-1]} to continue that run" if complete else ""
+            raise ValueError(
+                f"--output_dir {output_dir} holds {held}. Pass --overwrite_output_dir to replace it (its "
+                f"checkpoints and weights are removed), another --output_dir{resume}."
+            )
+        folder.remove_outputs = True
+    return folder
+
+
+def prepare_output_dir(folder: RunFolder | None) -> None:
+    """Do what `check_output_dir` decided (remove another run's outputs, or the checkpoints of this run's killed
+    saves) and record the run's arguments, on the main process while the others wait."""
+    if folder is None:
+        return
+    training_args = folder.training_args
+    output_dir = Path(training_args.output_dir)
+    PartialState().wait_for_everyone()  # every process has read the folder as it was
+    with training_args.main_process_first(desc="preparing the output directory"):
+        if training_args.process_index == 0:
+            if folder.remove_outputs:
                 remove_run_outputs(output_dir)
-        if main_process:
-            write_run_record(output_dir, current)
+            if folder.resumes:
+                remove_interrupted_checkpoints(output_dir, training_args.world_size)
+            write_run_record(output_dir, folder.record)
+
+
+class FolderPreparation(TrainerCallback):
+    """`prepare_output_dir`, once, when training begins: after the script has checked its arguments, data and model
+    and the Trainer has built the optimizer and schedule from their flags, wrapped the model and loaded the checkpoint
+    it resumes from, each of which can still refuse an argument."""
+
+    def __init__(self, folder: RunFolder | None):
+        self.folder = folder
+
+    def prepare(self) -> None:
+        folder, self.folder = self.folder, None  # a second train() must not remove the first one's checkpoints
+        prepare_output_dir(folder)
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.prepare()
 
 
 class RunTracker(TrainerCallback, ExportableState):
@@ -298,13 +342,17 @@ class RunTracker(TrainerCallback, ExportableState):
 
 class RunTrainerMixin(Trainer):
     """A Trainer with a RunTracker built from the RunArguments; its logs carry the run's training minutes, and its
-    learning-rate schedule cools down with --cooldown_minutes."""
+    learning-rate schedule cools down with --cooldown_minutes. `run_folder` (`check_output_dir`'s) is prepared when
+    training begins."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, run_folder: RunFolder | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         options = self.args
         minutes = (options.max_train_minutes, options.eval_every_minutes, options.save_every_minutes)
         self.add_callback(RunTracker(*minutes, cooldown_minutes=options.cooldown_minutes))
+        self.add_callback(FolderPreparation(run_folder))
+        if options.average_last_checkpoints and self.is_fsdp_enabled:  # known once the accelerator is set up
+            raise ValueError("--average_last_checkpoints loads whole weights into the model, which FSDP shards.")
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
         new = self.lr_scheduler is None
@@ -319,9 +367,16 @@ class RunTrainerMixin(Trainer):
             scheduler.lr_lambdas = [lambda step, rate=rate: rate(step) * factor() for rate in scheduler.lr_lambdas]
         return scheduler
 
+    def callback_of(self, kind: type[TrainerCallback]) -> Any:
+        return next(callback for callback in self.callback_handler.callbacks if isinstance(callback, kind))
+
     @property
     def run_tracker(self) -> RunTracker:
-        return next(callback for callback in self.callback_handler.callbacks if isinstance(callback, RunTracker))
+        return self.callback_of(RunTracker)
+
+    @property
+    def folder_preparation(self) -> FolderPreparation:
+        return self.callback_of(FolderPreparation)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         logs["train_minutes"] = round(self.run_tracker.elapsed_seconds() / 60, 4)
@@ -345,8 +400,6 @@ def keep_last_or_averaged_weights(trainer: Trainer, evaluate: Callable[[], dict[
     the last and the averaged weights and keep the better ones by --metric_for_best_model (the validation set makes
     the choice); returns the kept weights' evaluation and how many checkpoints they average (1: the last weights)."""
     args = trainer.args
-    if trainer.is_fsdp_enabled:
-        raise ValueError("--average_last_checkpoints loads whole weights into the model, which FSDP shards.")
     last_k = min(args.average_last_checkpoints, len(complete_checkpoints(args.output_dir)))
     if last_k < args.average_last_checkpoints:  # a time budget ran out before k checkpoints were saved
         logger.warning("Only %d checkpoints to average, not %d", last_k, args.average_last_checkpoints)
@@ -383,7 +436,7 @@ def finished_run(checkpoint: Path, args: Any) -> bool:
 
 
 def train_and_choose_weights(trainer: Trainer, evaluate: Callable[[], dict[str, float]]) -> dict[str, float]:
-    """--do_train (resuming from --resume_from_checkpoint, which prepare_output_dir sets when the run resumes; a
+    """--do_train (resuming from --resume_from_checkpoint, which check_output_dir sets when the run resumes; a
     checkpoint that ends the run is loaded, not trained on), then the weights to keep (--average_last_checkpoints;
     with --do_eval, `evaluate` scores both candidates and the kept weights' evaluation is returned)."""
     args = trainer.args
@@ -392,6 +445,7 @@ def train_and_choose_weights(trainer: Trainer, evaluate: Callable[[], dict[str, 
     checkpoint = Path(args.resume_from_checkpoint) if args.resume_from_checkpoint else None
     if checkpoint is not None and finished_run(checkpoint, args):
         logger.info("%s ends the run: its weights are loaded, nothing is trained", checkpoint)
+        trainer.folder_preparation.prepare()  # no training begins to do it
         load_weights(trainer.model, checkpoint_weights(checkpoint))
         trainer.state = TrainerState.load_from_json(str(checkpoint / TRAINER_STATE))
         trainer.run_tracker.restore(trainer.state)

@@ -31,7 +31,7 @@ from run_common import (
     schedule_description,
     train_then_evaluate_perplexity,
 )
-from run_control import RunArguments, RunTrainerMixin, prepare_output_dir
+from run_control import RunArguments, RunTrainerMixin, check_output_dir
 from train_tokenizer import train_bpe_tokenizer
 from transformers import (
     AutoModelForCausalLM,
@@ -113,6 +113,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         (ModelArguments, DataArguments, PaperTrainingArguments), argv, is_encoder_decoder=False, is_decoder=True
     )
     model_args, data_args, training_args = arguments
+    folder = check_output_dir(arguments)
     if data_args.block_size <= 1:
         raise ValueError(f"--block_size must be at least 2, got {data_args.block_size}.")
 
@@ -120,7 +121,6 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     column_names = raw[next(iter(raw))].column_names
     if data_args.text_column not in column_names:
         raise ValueError(f"--text_column {data_args.text_column!r} is not in the data; it has {column_names}.")
-    prepare_output_dir(arguments)
 
     tokenizer_source = model_args.tokenizer_name or model_args.model_name_or_path
     if tokenizer_source is None and isinstance(training_args.resume_from_checkpoint, str):
@@ -168,6 +168,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     trainer = PaperTrainer(
         model=model,
         args=training_args,
+        run_folder=folder,  # prepared when training begins, after every check
         train_dataset=splits.get("train"),
         eval_dataset=splits.get("validation"),
         processing_class=tokenizer,

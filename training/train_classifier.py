@@ -30,7 +30,7 @@ from run_common import (
     plt,
     required_split,
 )
-from run_control import RunArguments, prepare_output_dir, train_and_choose_weights
+from run_control import RunArguments, check_output_dir, train_and_choose_weights
 from train_causal_lm import PaperTrainer
 from train_tokenizer import train_bpe_tokenizer
 from transformers import (
@@ -176,10 +176,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         (ClassifierModelArguments, ClassifierDataArguments, FineTuningArguments), argv, is_encoder_decoder=False
     )
     model_args, data_args, training_args = arguments
+    folder = check_output_dir(arguments)
 
     data, dataset_label = load_text_data(data_args, labelled_topics, DEMO_DATASET)
     names = label_names(data, data_args.label_column)
-    prepare_output_dir(arguments)
     label_ids = {name: i for i, name in enumerate(names)}
     tokenizer = classifier_tokenizer(model_args, data_args, data)
     labels = dict(num_labels=len(names), id2label=dict(enumerate(names)), label2id=label_ids)
@@ -214,6 +214,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     trainer = PaperTrainer(
         model=model,
         args=training_args,
+        run_folder=folder,  # prepared when training begins, after every check
         train_dataset=splits.get("train"),
         eval_dataset=splits.get("validation"),
         processing_class=tokenizer,

@@ -16,6 +16,8 @@ Images go through the image processor once (`datasets.map`, cached as any map); 
 on the fly (random rotation, scale and shift of the processed tensors; horizontal flips on request: digits must not be
 mirrored). Reports accuracy and macro-F1, plots the confusion matrix and writes a model card; the image processor is
 saved beside the model, so `pipeline("image-classification", model=output_dir, trust_remote_code=True)` runs it.
+A run's folder and final weights (resuming, --overwrite_output_dir, --average_last_checkpoints):
+training/run_control.py.
 
     python training/train_image_classifier.py --output_dir out/digits --do_train --do_eval
 """
@@ -29,11 +31,13 @@ import torch
 from datasets import Array3D, ClassLabel, DatasetDict, Features, Value, load_dataset
 from demo_image_data import DIGITS_DATASET, digits_dataset
 from run_common import (
+    config_errors_named,
     parse_config_overrides,
     parse_script_arguments,
     plot_training_curves,
     pretrained_model_kwargs,
 )
+from run_control import check_output_dir, train_and_choose_weights
 from train_causal_lm import PaperTrainer
 from train_classifier import (
     FineTuningArguments,
@@ -167,7 +171,9 @@ def random_affine(
 
 def new_image_model(model_args: ImageModelArguments, labels: dict):
     overrides = {**DEMO_IMAGE_MODEL, **parse_config_overrides(model_args.config_overrides)}
-    return AutoModelForImageClassification.from_config(image_classification_config(**overrides, **labels))
+    with config_errors_named("--config_overrides"):
+        config = image_classification_config(**overrides, **labels)
+    return AutoModelForImageClassification.from_config(config)
 
 
 def image_processor_for(model_args: ImageModelArguments, config):
@@ -218,9 +224,9 @@ class ImageTrainer(PaperTrainer):
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
-    model_args, data_args, training_args = parse_script_arguments(
-        (ImageModelArguments, ImageDataArguments, FineTuningArguments), argv
-    )
+    arguments = parse_script_arguments((ImageModelArguments, ImageDataArguments, FineTuningArguments), argv)
+    model_args, data_args, training_args = arguments
+    folder = check_output_dir(arguments)
     data, dataset_label = load_image_data(data_args, training_args.seed)
     names = label_names(data, data_args.label_column_name)
     label_ids = {name: i for i, name in enumerate(names)}
@@ -263,6 +269,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     trainer = ImageTrainer(
         model=model,
         args=training_args,
+        run_folder=folder,  # prepared when training begins, after every check
         train_dataset=splits.get("train"),
         eval_dataset=splits.get("validation"),
         processing_class=image_processor,  # saved beside the model, for AutoImageProcessor and the pipeline
@@ -270,9 +277,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         train_collator=AugmentingCollator(data_args),
         compute_metrics=metrics_for(len(names)),
     )
-    metrics: dict[str, float] = {}
-    if training_args.do_train:
-        metrics.update(trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint).metrics)
+    metrics = train_and_choose_weights(trainer, trainer.evaluate)
     trainer.save_model()
     trainer.save_state()
     output_dir = Path(training_args.output_dir)

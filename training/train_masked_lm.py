@@ -26,7 +26,7 @@ from run_common import (
     schedule_description,
     train_then_evaluate_perplexity,
 )
-from run_control import prepare_output_dir
+from run_control import check_output_dir
 from train_causal_lm import PaperTrainer, PaperTrainingArguments
 from train_tokenizer import train_bpe_tokenizer
 from transformers import (
@@ -69,11 +69,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         (ModelArguments, MaskedLMDataArguments, PaperTrainingArguments), argv, is_encoder_decoder=False
     )
     model_args, data_args, training_args = arguments
+    folder = check_output_dir(arguments)
     if not 0 < data_args.mlm_probability < 1:
         raise ValueError(f"--mlm_probability must be in (0, 1), got {data_args.mlm_probability}.")
 
     raw, dataset_label = load_text_data(data_args, unlabelled_text, DEMO_DATASET)
-    prepare_output_dir(arguments)
     train_texts = (text for batch in raw["train"].iter(batch_size=1000) for text in batch[data_args.text_column])
     tokenizer = masked_lm_tokenizer(model_args, data_args, train_texts)
     if model_args.model_name_or_path:
@@ -99,6 +99,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     trainer = PaperTrainer(
         model=model,
         args=training_args,
+        run_folder=folder,  # prepared when training begins, after every check
         train_dataset=splits.get("train"),
         eval_dataset=splits.get("validation"),
         processing_class=tokenizer,

@@ -45,7 +45,7 @@ from run_common import (
     save_run,
     schedule_description,
 )
-from run_control import RunArguments, RunTrainerMixin, prepare_output_dir, train_and_evaluate
+from run_control import RunArguments, RunTrainerMixin, check_output_dir, train_and_evaluate
 from train_tokenizer import train_bpe_tokenizer
 from training_batches import BatchingArguments, TrainingBatchesMixin, sequence_slots, token_budget_sampler
 from transformers import (
@@ -238,10 +238,10 @@ def translation_metrics(tokenizer):
 def main(argv: list[str] | None = None) -> dict[str, float]:
     arguments = parse_script_arguments((ModelArguments, DataArguments, PaperSeq2SeqTrainingArguments), argv)
     model_args, data_args, training_args = arguments
+    folder = check_output_dir(arguments)
 
     raw, dataset_label = load_raw_datasets(data_args)
     columns = source_target_columns(data_args, raw)
-    prepare_output_dir(arguments)
 
     def texts_of(split):  # source and target text together: the BPE vocabulary is shared (§5.1)
         for batch in split.iter(batch_size=1000):
@@ -324,6 +324,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     trainer = PaperSeq2SeqTrainer(
         model=model,
         args=training_args,
+        run_folder=folder,  # prepared when training begins, after every check
         train_dataset=splits.get("train"),
         eval_dataset=splits.get("validation"),
         processing_class=tokenizer,

@@ -2,19 +2,23 @@
 (hf_vanilla_transformer.seq2seq_training_collator), and, with --max_tokens, batches cut by a token budget instead of a
 sentence count (fairseq's --max-tokens), with the static-shape options that let a compiled step see few shapes."""
 
+import math
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, fields
 from functools import partial
 from typing import Any
 
+import torch
 from torch.utils.data import DataLoader, Sampler
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import seed_worker
 
 from hf_vanilla_transformer.collators_vanilla_transformer import PADDED_MULTIPLE_OF
 
 DEFAULT_BATCH_SIZE = next(f.default for f in fields(TrainingArguments) if f.name == "per_device_train_batch_size")
+# What `CountingCollator` puts beside a training batch: its pairs, and their source and target tokens.
+PAIRS, TOKENS = "counted_pairs", "counted_tokens"
 
 
 @dataclass
@@ -130,8 +134,8 @@ def token_budget_batches(
 
 class TokenBudgetBatchSampler(Sampler[list[int]]):
     """The batches of `token_budget_batches`, formed once, in an order drawn from (seed, epoch): every example once
-    per epoch, the same order for the same epoch in a resumed run (the Trainer calls `set_epoch`, then skips the
-    batches it already trained on)."""
+    per epoch, the same order for the same epoch in a resumed run (`SamplerEpoch` sets the epoch, the Trainer skips
+    the batches it already trained on)."""
 
     def __init__(self, source_lengths: Sequence[int], target_lengths: Sequence[int], max_tokens: int, **options):
         self.batches = token_budget_batches(source_lengths, target_lengths, max_tokens, **options)
@@ -181,26 +185,78 @@ def sequence_slots(args: BatchingArguments, sampler: TokenBudgetBatchSampler | N
     return sampler.largest_batch + 1
 
 
+@dataclass
+class CountingCollator:
+    """`collator`'s batch, and beside it (as PAIRS and TOKENS) its sentence pairs and their source and target tokens
+    without padding, counted on the CPU from the features."""
+
+    collator: Callable[[list[dict[str, Any]]], Any]
+
+    def __call__(self, features: list[dict[str, Any]]) -> Any:
+        tokens = sum(len(feature["input_ids"]) + len(feature["labels"]) for feature in features)
+        batch = self.collator(features)
+        batch[PAIRS], batch[TOKENS] = len(features), tokens
+        return batch
+
+
+class SamplerEpoch(TrainerCallback):
+    """Gives `sampler` the epoch as each epoch begins. The Trainer reaches a batch sampler through accelerate's
+    wrappers by hand, one level deep: under DDP the sampler sits inside accelerate's per-process shard, and in a
+    resumed epoch inside a sampler that skips the batches trained as well, where the epoch never reaches it, so that
+    the resumed run would train the first epoch's order again. The state's epoch counts finished epochs in its whole
+    part (the end of epoch e is e + steps/steps = e + 1 exactly, and a resumed state holds its checkpoint's)."""
+
+    def __init__(self, sampler: Sampler):
+        self.sampler = sampler
+
+    def on_epoch_begin(self, args, state, control, **kwargs):
+        self.sampler.set_epoch(math.floor(state.epoch or 0))
+
+
 class TrainingBatchesMixin(Trainer):
     """Training batches of their own: `train_data_collator` (e.g. the package's flattening collator) and
     `train_batch_sampler` (e.g. `TokenBudgetBatchSampler`); evaluation and prediction keep `data_collator`'s padded
-    batches, which `generate` needs, and the sentence count of --per_device_eval_batch_size."""
+    batches, which `generate` needs, and the sentence count of --per_device_eval_batch_size.
+
+    The Trainer counts `train_samples_per_second` as --per_device_train_batch_size pairs a step, which batches cut by
+    a token budget are not: the pairs and tokens of the batches trained on are counted instead, and the training's
+    end reports them per second of `train_runtime` (`train_samples_per_second` = `train_pairs_per_second`, and
+    `train_tokens_per_second`, source and target tokens without padding)."""
 
     def __init__(self, *args, train_data_collator=None, train_batch_sampler: Sampler | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.train_data_collator = train_data_collator
         self.train_batch_sampler = train_batch_sampler
+        if hasattr(train_batch_sampler, "set_epoch"):
+            self.add_callback(SamplerEpoch(train_batch_sampler))
+        self.trained = {PAIRS: 0, TOKENS: 0}  # by this process, in this call of train()
+
+    def train(self, *args, **kwargs):
+        self.trained = {PAIRS: 0, TOKENS: 0}
+        return super().train(*args, **kwargs)
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        for name in self.trained:
+            self.trained[name] += inputs.pop(name)
+        return super().training_step(model, inputs, num_items_in_batch)
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if "train_runtime" in logs:  # the training's end, reached by every process
+            counted = torch.tensor(list(self.trained.values()), device=self.args.device)
+            pairs, tokens = self.accelerator.reduce(counted, reduction="sum").tolist()
+            logs["train_samples_per_second"] = logs["train_pairs_per_second"] = round(pairs / logs["train_runtime"], 3)
+            logs["train_tokens_per_second"] = round(tokens / logs["train_runtime"], 3)
+        super().log(logs, start_time)
 
     def get_train_dataloader(self) -> DataLoader:
-        padded = self.data_collator
-        if self.train_data_collator is not None:
-            self.data_collator = self.train_data_collator
+        evaluation_collator = self.data_collator
+        self.data_collator = CountingCollator(self.train_data_collator or evaluation_collator)
         try:
             if self.train_batch_sampler is None:
                 return super().get_train_dataloader()
             return self.batch_sampler_dataloader()
         finally:
-            self.data_collator = padded
+            self.data_collator = evaluation_collator
 
     def batch_sampler_dataloader(self) -> DataLoader:
         """The Trainer's training DataLoader (its workers, seeding and column removal) with batches from

@@ -170,9 +170,9 @@ class SinusoidalPositionalEmbedding(nn.Module):
         """`positions_below`: a bound the caller knows `position_ids` keep to (a flattened batch's longest sequence),
         so that they can be looked up in the table."""
         length = inputs_embeds.shape[1]
-        if position_ids is None and isinstance(past_length, int) and past_length + length <= len(self.table):
+        if position_ids is None and isinstance(past_length, int) and past_length + length <= self.table.shape[0]:
             encoding = self.table[past_length : past_length + length]
-        elif position_ids is not None and positions_below is not None and positions_below <= len(self.table):
+        elif position_ids is not None and positions_below is not None and positions_below <= self.table.shape[0]:
             try:  # the lookup checks the positions itself, at no cost (a device assert on an accelerator)
                 encoding = F.embedding(position_ids, self.table)
             except IndexError as error:
@@ -875,10 +875,12 @@ class VanillaTransformerStack(VanillaTransformerPreTrainedModel):
         inputs_embeds: torch.Tensor | None,
         position_ids: torch.LongTensor | None,
         layout: AttentionLayout,
+        first_layer: int,
         past_length: int | torch.Tensor = 0,
     ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
         """(token embeddings, the layers' input, the RoPE table or None). Positions continue after the cache, or,
-        in a flattened batch, restart at each sequence (the collator's position ids, below its longest sequence)."""
+        in a flattened batch, restart at each sequence (the collator's position ids, below its longest sequence).
+        `first_layer`: the first layer this rank runs (`first_layer_run`)."""
         if inputs_embeds is None:
             try:  # the lookup checks the ids itself, at no cost (on an accelerator its kernel asserts on the device)
                 inputs_embeds = self.embed_tokens(input_ids)
@@ -892,7 +894,7 @@ class VanillaTransformerStack(VanillaTransformerPreTrainedModel):
             positions_below = layout.queries.max_length
             position_ids = layout.queries.positions(inputs_embeds.shape[:2]) if position_ids is None else position_ids
         hidden_states, rotary = self.embed_positions(inputs_embeds, position_ids, past_length, positions_below)
-        if self.first_layer_run > 0:  # a later pipeline rank: `inputs_embeds` is the previous rank's output
+        if first_layer > 0:  # a later pipeline rank: `inputs_embeds` is the previous rank's output
             return inputs_embeds, inputs_embeds, rotary
         return inputs_embeds, self.dropout(hidden_states) if self.training else hidden_states, rotary
 
@@ -949,7 +951,9 @@ class VanillaTransformerEncoder(VanillaTransformerStack):
         if attention_layout is None:
             shape = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
             attention_layout = stack_layout(self.config, kwargs, self.embed_tokens.weight, self.training, shape, False)
-        inputs_embeds, hidden_states, rotary = self.embed(input_ids, inputs_embeds, position_ids, attention_layout)
+        inputs_embeds, hidden_states, rotary = self.embed(
+            input_ids, inputs_embeds, position_ids, attention_layout, self.first_layer_run
+        )
         if attention_layout.queries is None:
             attention_mask = create_bidirectional_mask(
                 config=self.config,
@@ -1021,7 +1025,7 @@ class VanillaTransformerDecoder(VanillaTransformerStack):
         first_layer = self.first_layer_run  # whose cache holds the decoded length
         past_length = past_key_values.get_seq_length(first_layer) if past_key_values is not None else 0
         inputs_embeds, hidden_states, rotary = self.embed(
-            input_ids, inputs_embeds, position_ids, attention_layout, past_length
+            input_ids, inputs_embeds, position_ids, attention_layout, first_layer, past_length
         )
         if attention_layout.queries is None:
             attention_mask, encoder_attention_mask = self.padded_masks(

@@ -186,19 +186,23 @@ def seq2seq_layouts(config, kwargs: dict, weight: torch.Tensor, training: bool, 
     """The layouts of an encoder-decoder forward, (encoder self-attention, decoder self-attention, cross-attention),
     built once before either stack runs; a flattened batch's offsets are taken out of `kwargs` here (the source's
     sequences built once, for both stacks). `weight`: one of the model's, on the device attention runs on."""
-    offsets = {name: kwargs.pop(name) for name in FLATTENED_KEYWORDS if name in kwargs}
     # Autocast's dtype where it is on (the Trainer's bf16 keeps float32 weights), else the weights'.
     device = weight.device
     dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else weight.dtype
     implementation = config._attn_implementation
-    if offsets.get("cu_seq_lens_q") is None:
-        # Padded: transformers' attention under the stacks' masks (the causal one is the decoder's own).
+    if kwargs.get("cu_seq_lens_q") is None and kwargs.get("cu_seq_lens_k") is None:
+        # Padded: transformers' attention under the stacks' masks (the causal one is the decoder's own), one layout
+        # for all three unless the kinds' lengths choose SDPA's kernel (training on a CPU in half precision).
         source, target = source_shape[1], target_shape[1]
+        cross = AttentionLayout.of(implementation, None, None, False, None, dtype, device, max(source, target))
+        if not torch.is_grad_enabled() or device.type != "cpu":
+            return cross, cross, cross
         return (
             AttentionLayout.of(implementation, None, None, False, None, dtype, device, source),
             AttentionLayout.of(implementation, None, None, False, None, dtype, device, target),
-            AttentionLayout.of(implementation, None, None, False, None, dtype, device, max(source, target)),
+            cross,
         )
+    offsets = {name: kwargs.pop(name) for name in FLATTENED_KEYWORDS if name in kwargs}
     dropout = config.attention_dropout if training else 0.0
     kernel = varlen_kernel(implementation, device, dtype, dropout)
     sources = Sequences.of(offsets["cu_seq_lens_k"], offsets["max_length_k"], source_shape, kernel)

@@ -219,7 +219,7 @@ def decoding_section(size: str, batch: int, num_beams: int, source_len: int, new
     }
 
 
-def run(settings: Settings, sections: set[str]) -> dict:
+def run(settings: Settings, sections: set[str], sizes: list[str] | None = None) -> dict:
     results = {
         "environment": environment(settings.device),
         "dtype": str(settings.dtype),
@@ -231,7 +231,7 @@ def run(settings: Settings, sections: set[str]) -> dict:
     results["peak_matmul_flops"] = matmul_peak_flops(
         matmul_size, settings.dtype, settings.device, settings.repeats, settings.clock
     )
-    sizes = ["small"] if settings.quick else list(SIZES)
+    sizes = sizes or (["small"] if settings.quick else list(SIZES))
     if "train" in sections:
         shapes = {"small": (16, 32), "transformer-base": (8, 32)}
         results["training"] = [
@@ -330,6 +330,7 @@ def main() -> None:
     parser.add_argument(
         "--sections", default="train,decode,moe", help="comma-separated subset of train,decode,cpu_decode,moe"
     )
+    parser.add_argument("--sizes", default=None, help=f"comma-separated subset of {','.join(SIZES)} (default: all)")
     parser.add_argument("--output", type=Path, default=None, help="JSON path (default benchmarks/results/<date>.json)")
     args = parser.parse_args()
     if args.threads:
@@ -337,7 +338,7 @@ def main() -> None:
     settings = settings_from(args)
     if settings.repeats < 5:
         sys.exit("--repeats must be at least 5: the reported numbers are medians.")
-    results = run(settings, set(args.sections.split(",")))
+    results = run(settings, set(args.sections.split(",")), args.sizes.split(",") if args.sizes else None)
     print_table(results)
     write_results(results, args.output, settings.device.type)
 

@@ -48,7 +48,8 @@ class DataCollatorForSeq2SeqWithFlattening:
     target's padding ends the row's last target instead (the padding's sequence left empty on both sides), so that
     every target token has source tokens to attend to. Without a kernel, attention runs per row under a mask that
     keeps each sentence to itself, as a padded batch runs it; with one, over the offsets. `num_rows` fixes the number
-    of rows (the unused ones all padding).
+    of rows (the unused ones all padding), `num_sequences` the sequence slots as above (a pair each, and a row's
+    padding each): with both, every batch has one shape.
 
     Each option returns every batch flattened or packed. The sequences of source and target always pair up one
     to one: cross-attention reads target sequence i against source sequence i. (A Mixture-of-Experts router also
@@ -82,10 +83,10 @@ class DataCollatorForSeq2SeqWithFlattening:
                 raise ValueError(f"{name} must be None or an int >= 1, got {value!r}.")
         if row_length is None and num_rows is not None:
             raise ValueError("num_rows fixes the number of packed rows: it needs row_length.")
-        if row_length is not None and (pad_to_multiple_of is not None or num_sequences is not None):
+        if row_length is not None and pad_to_multiple_of is not None:
             raise ValueError(
-                "row_length packs whole rows, which fixes the shapes already: pad_to_multiple_of and num_sequences "
-                "are for the one-row layout."
+                "row_length packs whole rows, which fixes the token shapes already: pad_to_multiple_of is for the "
+                "one-row layout (num_sequences fixes the sequence slots of either)."
             )
         if pad_to_multiple_of is not None and num_sequences == 1:
             raise ValueError("num_sequences=1 leaves no slot for a sentence once pad_to_multiple_of takes one.")
@@ -128,13 +129,7 @@ class DataCollatorForSeq2SeqWithFlattening:
             sources.append(torch.full((source_padding,), self.pad_token_id))
             labels.append(torch.full((target_padding,), IGNORE_INDEX))
             decoder_inputs.append(torch.full((target_padding,), self.pad_token_id))
-        if self.num_sequences is not None and len(sources) > self.num_sequences:
-            padding = " and the padding's" if self.pad_to_multiple_of is not None else ""
-            raise ValueError(
-                f"A batch of {len(features)} sentence pairs needs {len(sources)} sequence slots (one per "
-                f"pair{padding}), more than num_sequences={self.num_sequences}: raise num_sequences or cap the "
-                "batches' sentences."
-            )
+        self.check_slots(len(features), len(sources), "and the padding's" if self.pad_to_multiple_of else "")
         return dict(
             input_ids=torch.cat(sources)[None],
             position_ids=positions_of(sources),
@@ -182,12 +177,13 @@ class DataCollatorForSeq2SeqWithFlattening:
                     row[-2:] = [torch.cat(row[-2:]), row[-1][:0]]
                 streams[name] += row
         shape = (len(rows), width)
+        self.check_slots(len(sizes), len(sizes) + len(rows), "and one per row for its padding")
         return dict(
             **{name: torch.cat(sequences).view(shape) for name, sequences in streams.items()},
             position_ids=positions_of(streams["input_ids"]).view(shape),
             decoder_position_ids=positions_of(streams["labels"]).view(shape),
-            cu_seq_lens_k=offsets_of(streams["input_ids"]),
-            cu_seq_lens_q=offsets_of(streams["labels"]),
+            cu_seq_lens_k=offsets_of(streams["input_ids"] + self.empty_slots(len(sizes) + len(rows))),
+            cu_seq_lens_q=offsets_of(streams["labels"] + self.empty_slots(len(sizes) + len(rows))),
             max_length_k=width,
             max_length_q=width,
         )
@@ -204,11 +200,21 @@ class DataCollatorForSeq2SeqWithFlattening:
         tokens = sum(len(sequence) for sequence in sequences)
         return self.round_up(tokens + 1) - tokens
 
+    def check_slots(self, pairs: int, sequences: int, padding: str) -> None:
+        if self.num_sequences is not None and sequences > self.num_sequences:
+            raise ValueError(
+                f"A batch of {pairs} sentence pairs needs {sequences} sequence slots (one per pair {padding}), more "
+                f"than num_sequences={self.num_sequences}: raise num_sequences or cap the batches' sentences."
+            )
+
+    def empty_slots(self, sequences: int) -> list[torch.Tensor]:
+        """The sequence slots a batch of `sequences` leaves unused: empty sequences (repeated offsets)."""
+        return [torch.empty(0)] * ((self.num_sequences or sequences) - sequences)
+
     def offsets(self, sequences: list[torch.Tensor], side: str) -> dict[str, Any]:
-        empty_slots = [torch.empty(0)] * ((self.num_sequences or len(sequences)) - len(sequences))
         longest = max(len(sequence) for sequence in sequences)
         return {
-            f"cu_seq_lens_{side}": offsets_of(sequences + empty_slots),
+            f"cu_seq_lens_{side}": offsets_of(sequences + self.empty_slots(len(sequences))),
             f"max_length_{side}": self.round_up(longest),
         }
 

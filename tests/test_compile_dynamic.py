@@ -29,9 +29,10 @@ def token_budget_batches(model, budget: int, count: int, **static_options) -> li
     return [collator([pairs[i] for i in batch]) for batch, _ in zip(sampler, range(count))]
 
 
-def compiled_like_the_trainer(model, batches: list[dict]) -> int:
-    """The graphs `torch.compile(fullgraph=True, dynamic=None)` compiles over `batches`, forward and backward run on
-    each; a graph break raises (fullgraph), and so does a recompilation past torch's limit."""
+def compiled_like_the_trainer(model, batches: list[dict], dynamic: bool | None = None) -> int:
+    """The graphs `torch.compile(fullgraph=True, dynamic=dynamic)` compiles over `batches` (the Trainer's: None),
+    forward and backward run on each; a graph break raises (fullgraph), and so does a recompilation past torch's
+    limit."""
     graphs = []
 
     def counting_backend(graph_module, example_inputs):
@@ -39,7 +40,7 @@ def compiled_like_the_trainer(model, batches: list[dict]) -> int:
         return graph_module.forward  # eager: only the number of graphs matters here
 
     torch._dynamo.reset()
-    compiled = torch.compile(model, backend=counting_backend, fullgraph=True, dynamic=None)
+    compiled = torch.compile(model, backend=counting_backend, fullgraph=True, dynamic=dynamic)
     try:
         with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
             for batch in batches:
@@ -70,3 +71,24 @@ def test_static_batches_compile_at_most_one_graph_per_bucket_under_dynamic_none(
     translation = model()
     batches = token_budget_batches(translation, budget=256, count=50, pad_to_multiple_of=64)
     assert compiled_like_the_trainer(translation, batches) <= 256 // 64
+
+
+def test_packed_rows_with_fixed_slots_are_one_shape_and_one_graph():
+    """Packed rows with a fixed number of rows and of sequence slots (`row_length`, `num_rows`, `num_sequences`):
+    over 50 token-budget batches every tensor has one shape, the offsets included, and the compiled training
+    forward is one graph, with static shapes as with the Trainer's dynamic=None."""
+    translation = model()
+    pairs = multi30k_like_pairs(1000, seed=0)
+    sampler = TokenBudgetBatchSampler(
+        [len(pair["input_ids"]) for pair in pairs], [len(pair["labels"]) for pair in pairs], 192, flattened=True, seed=0
+    )
+    num_rows = 8
+    collator = DataCollatorForSeq2SeqWithFlattening(
+        translation, row_length=48, num_rows=num_rows, num_sequences=sampler.largest_batch + num_rows
+    )
+    batches = [collator([pairs[i] for i in batch]) for batch, _ in zip(sampler, range(50))]
+    tensors = [name for name, value in batches[0].items() if isinstance(value, torch.Tensor)]
+    shapes = {name: {tuple(batch[name].shape) for batch in batches} for name in tensors}
+    assert all(len(shape) == 1 for shape in shapes.values()), shapes
+    assert compiled_like_the_trainer(translation, batches, dynamic=False) == 1
+    assert compiled_like_the_trainer(translation, batches) == 1

@@ -291,7 +291,8 @@ def layout_of(module, queries, keys, causal: bool, kernel: str | None) -> packin
 
     queries, keys = sequences(queries), sequences(keys)
     longest = max(queries.max_length, keys.max_length)
-    return packing.AttentionLayout.of(module.config, queries, keys, causal, kernel, torch.float32, "cpu", longest)
+    implementation = module.config._attn_implementation
+    return packing.AttentionLayout.of(implementation, queries, keys, causal, kernel, torch.float32, "cpu", longest)
 
 
 def packed_attention(module, query, key, value, layout: packing.AttentionLayout):

@@ -27,7 +27,7 @@ def test_post_norm_layer_is_layernorm_of_sum():
         torch.nn.init.normal_(norm.weight)
         torch.nn.init.normal_(norm.bias)
     x = torch.randn(2, 5, 32)
-    layout = AttentionLayout.of(model.config, None, None, False, None, torch.float32, "cpu", 5)
+    layout = AttentionLayout.of("sdpa", None, None, False, None, torch.float32, "cpu", 5)
     with torch.no_grad():
         attention, _ = layer.self_attn(x, None, layout)
         attended = layer.self_attn_connection.norm(x + attention)

@@ -2,8 +2,9 @@
 
     python benchmarks/cpu_attention_kernels.py            # the threads torch picks (all cores)
 
-The numbers behind `attention_backend` (layers_vanilla_transformer): training in bfloat16 or float16 on a CPU, short
-sequences take the math kernel, because the flash kernel's backward is the slower one there. Each row times one
+The numbers behind `SHORT_SEQUENCE_ON_CPU` (packing_vanilla_transformer, `AttentionLayout.of`): training in
+bfloat16 or float16 on a CPU, short sequences take the math kernel, because the flash kernel's backward is the slower
+one there. Each row times one
 forward + backward of SDPA on (batch, 8 heads, length, 64) with a padding mask (or causal), batch x length = 4096
 tokens, the two kernels alternating (`time_alternating`, median per-round ratio).
 """

@@ -3,8 +3,8 @@
     OMP_NUM_THREADS=1 python benchmarks/cpu_dropout.py --clock cpu     # the steady figure on a shared machine
     python benchmarks/cpu_dropout.py                                   # all cores, wall clock
 
-The numbers behind `dropout_vanilla_transformer`: on CPUs where torch samples a dropout mask one element at a time (not
-Intel with MKL) the package draws two elements per 64-bit draw. Each row times one dropout forward + backward
+The numbers behind `Dropout` (modeling_vanilla_transformer): on CPUs where torch samples a dropout mask one element
+at a time (not Intel with MKL) the package draws two elements per 64-bit draw. Each row times one dropout forward + backward
 (p = 0.1) of an activation the size of a training batch of the image demo, the Multi30k recipe and transformer-base,
 the two modules alternating (`time_alternating`, median per-round ratio). The last rows time the mask alone: torch's
 Bernoulli sampler against `keep_mask`.

@@ -43,3 +43,22 @@ def padded_batch(vocab_size: int = 64, batch: int = 3, length: int = 9, seed: in
         attention_mask[row, length - 2 * row :] = 0
     input_ids = input_ids.masked_fill(attention_mask == 0, 0)
     return input_ids, attention_mask
+
+
+def run_without_package(script: str, *arguments: str, tmp_path) -> dict:
+    """Runs `script` in a fresh process in `tmp_path`, offline, where the scripts hide hf_vanilla_transformer so that
+    only saved code files can be imported; its last line of output, parsed as JSON."""
+    import json
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-c", script, *arguments],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env={"HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HUB_OFFLINE": "1", "PATH": ""},
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])

@@ -16,7 +16,7 @@ from training_batches import TokenBudgetBatchSampler  # noqa: E402
 
 
 def token_budget_batches(model, budget: int, count: int, **static_options) -> list[dict]:
-    """`count` consecutive token-budget batches of Multi30k-like pairs, flattened, as the training script builds them."""
+    """`count` consecutive token-budget batches of Multi30k-like pairs, flattened, as the training script does."""
     pairs = multi30k_like_pairs(1000, seed=0)
     multiple = static_options.get("pad_to_multiple_of")
     sampler = TokenBudgetBatchSampler(

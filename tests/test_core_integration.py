@@ -1,12 +1,10 @@
 """The core model with the rest of the ecosystem: Trainer's gradient accumulation and the Hub remote-code path."""
 
 import json
-import subprocess
-import sys
 import textwrap
 
 import torch
-from conftest import padded_batch, tiny_config
+from conftest import padded_batch, run_without_package, tiny_config
 from datasets import Dataset
 from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments
 
@@ -92,16 +90,7 @@ def test_remote_code_load_without_the_package(tmp_path):
 
     input_ids, attention_mask = padded_batch()
     inputs = json.dumps({"input_ids": input_ids.tolist(), "attention_mask": attention_mask.tolist()})
-    result = subprocess.run(
-        [sys.executable, "-c", HIDDEN_PACKAGE_SCRIPT, str(tmp_path / "saved"), inputs],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        env={"HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HUB_OFFLINE": "1", "PATH": ""},
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    remote = json.loads(result.stdout.strip().splitlines()[-1])
+    remote = run_without_package(HIDDEN_PACKAGE_SCRIPT, str(tmp_path / "saved"), inputs, tmp_path=tmp_path)
     logits = model(input_ids, attention_mask=attention_mask, decoder_input_ids=input_ids[:, :4]).logits
     torch.testing.assert_close(torch.tensor(remote["logits"]), logits, atol=1e-6, rtol=0)
     generated = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=6, num_beams=2)

@@ -4,11 +4,10 @@ computed) loads into the present classes with the same parameter names and compu
 it ships the code files the model now needs, and loads from them alone in a process without the package."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
+from conftest import run_without_package
 from transformers import AutoModelForSeq2SeqLM
 
 import hf_vanilla_transformer  # noqa: F401  (registers the Auto classes)
@@ -53,15 +52,6 @@ def test_a_checkpoint_saved_before_loads_and_computes_what_it_did(tmp_path):
     shipped = {path.stem.removesuffix("_vanilla_transformer") for path in resaved.glob("*.py")}
     assert {"modeling", "language_modeling", "inputs", "packing", "configuration"} <= shipped
     assert not shipped & REMOVED_MODULES
-    result = subprocess.run(
-        [sys.executable, "-c", LOAD_REMOTE_CODE, str(resaved), str(SAVED_BEFORE / "expected.json")],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        env={"HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HUB_OFFLINE": "1", "PATH": ""},
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+    report = run_without_package(LOAD_REMOTE_CODE, str(resaved), str(SAVED_BEFORE / "expected.json"), tmp_path=tmp_path)
     assert report["module"].startswith("transformers_modules.")
     torch.testing.assert_close(torch.tensor(report["logits"]), torch.tensor(case["logits"]), rtol=1e-5, atol=1e-6)

@@ -66,11 +66,11 @@ def test_token_budget_batches_compile_into_two_graphs_under_dynamic_none():
 
 
 def test_static_batches_compile_at_most_one_graph_per_bucket_under_dynamic_none():
-    """With the static options (streams padded to multiples of 64, fixed sequence slots) the batches take at most
-    one shape per bucket of 64 tokens up to the budget, and no more graphs than buckets are compiled."""
+    """With the static options (streams padded to multiples of 32, fixed sequence slots) the batches take at most
+    one shape per bucket of 32 tokens up to the budget, and no more graphs than buckets are compiled."""
     translation = model()
-    batches = token_budget_batches(translation, budget=256, count=50, pad_to_multiple_of=64)
-    assert compiled_like_the_trainer(translation, batches) <= 256 // 64
+    batches = token_budget_batches(translation, budget=128, count=50, pad_to_multiple_of=32)
+    assert compiled_like_the_trainer(translation, batches) <= 128 // 32
 
 
 def test_packed_rows_with_fixed_slots_are_one_shape_and_one_graph():

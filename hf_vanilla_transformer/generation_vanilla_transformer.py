@@ -116,6 +116,17 @@ class VanillaTransformerGenerationMixin(GenerationMixin):
             return attention_mask
         return create_masks_for_generate(attention_mask=attention_mask, inputs_embeds=inputs_embeds, **kwargs)
 
+    def _prepare_text_encoder_decoder_kwargs_for_generation(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        # The source's padding mask reaches every decoding step, for cross-attention; it does not change while
+        # decoding. Where the sources have no padding it is dropped once the encoder has run, so that no step builds
+        # a 4D mask nor runs masked attention for it (Marian skips it too, by reading the mask at every step: a
+        # host-device sync per step on an accelerator). One read of the mask per `generate` call, before the loop.
+        model_kwargs = super()._prepare_text_encoder_decoder_kwargs_for_generation(*args, **kwargs)
+        mask = model_kwargs.get("attention_mask")
+        if mask is not None and mask.dim() == 2 and bool(mask.all()):
+            del model_kwargs["attention_mask"]
+        return model_kwargs
+
     def _prepare_model_inputs(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, str, dict[str, Any]]:
         # Checked before transformers' generation loop indexes into them (an empty prompt fails there otherwise).
         inputs, input_name, model_kwargs = super()._prepare_model_inputs(*args, **kwargs)

@@ -14,6 +14,7 @@ import collections
 import inspect
 import os
 import sys
+from unittest import mock
 
 import pytest
 import torch
@@ -26,6 +27,7 @@ import hf_vanilla_transformer
 from hf_vanilla_transformer import VanillaTransformerForCausalLM, VanillaTransformerForConditionalGeneration
 from hf_vanilla_transformer.convert_marian_vanilla_transformer import convert_marian_to_vanilla_transformer
 from hf_vanilla_transformer.generation_vanilla_transformer import VanillaTransformerGenerationMixin
+from hf_vanilla_transformer.modeling_vanilla_transformer import VanillaTransformerDecoder
 
 PACKAGE = os.path.dirname(os.path.realpath(hf_vanilla_transformer.__file__)) + os.sep
 GENERATION = os.path.dirname(os.path.realpath(transformers.__file__)) + os.sep + "generation" + os.sep
@@ -197,3 +199,34 @@ def test_a_subclass_whose_forward_takes_cache_position_still_gets_it():
     with torch.no_grad():
         model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=3, min_new_tokens=3)
     assert [position.tolist() for position in seen[1:]] == [[1], [2]]
+
+
+def test_a_source_without_padding_decodes_without_a_cross_attention_mask():
+    """The source's padding mask reaches every decoding step for cross-attention; where the sources have no padding
+    it is dropped once the encoder has run (one read per `generate` call, none per step), so that no step builds a 4D
+    mask or runs masked attention for it. The tokens are those of decoding with the mask; a padded source keeps it."""
+    torch.manual_seed(0)
+    model = VanillaTransformerForConditionalGeneration(tiny_config()).eval()
+    source = torch.randint(4, 64, (2, 7))
+    padded_mask = torch.ones_like(source)
+    padded_mask[1, 5:] = 0  # the second source is 5 tokens long
+    cross_masks = []
+    original = VanillaTransformerDecoder.padded_masks
+
+    def recording(self, inputs_embeds, attention_mask, encoder_hidden_states, encoder_attention_mask, *args):
+        cross_masks.append(encoder_attention_mask)
+        return original(self, inputs_embeds, attention_mask, encoder_hidden_states, encoder_attention_mask, *args)
+
+    options = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, num_beams=2)
+    with mock.patch.object(VanillaTransformerDecoder, "padded_masks", recording):
+        tokens = model.generate(source, attention_mask=torch.ones_like(source), **options)
+        assert cross_masks and all(mask is None for mask in cross_masks)
+        kept = GenerationMixin._prepare_text_encoder_decoder_kwargs_for_generation  # transformers': keeps the mask
+        with mock.patch.object(
+            VanillaTransformerGenerationMixin, "_prepare_text_encoder_decoder_kwargs_for_generation", kept
+        ):
+            with_mask = model.generate(source, attention_mask=torch.ones_like(source), **options)
+        assert torch.equal(tokens, with_mask)
+        cross_masks.clear()
+        model.generate(source, attention_mask=padded_mask, **options)
+        assert cross_masks and all(mask is not None for mask in cross_masks)

@@ -823,9 +823,9 @@ class VanillaTransformerPreTrainedModel(LoadSaveShardMixin, PreTrainedModel):
     _supports_flex_attn = True
     _supports_attention_backend = True
     _can_compile_fullgraph = True
-    # Each `forward` is annotated with its dense output class: transformers reads the annotation to tell whether a
-    # class returns router logits, and one class serves dense and MoE configs. With experts the forward returns the
-    # MoE output class named beside the annotation.
+    # Each `forward` is annotated with its dense output class, with experts it returns the MoE output class named
+    # beside the annotation: one class serves dense and MoE configs, and transformers' tests read the annotation to
+    # tell whether a class returns router logits. The causal LM, whose MoE output is Mixtral's, names both.
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:

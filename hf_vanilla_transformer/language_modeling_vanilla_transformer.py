@@ -253,7 +253,7 @@ class VanillaTransformerForCausalLM(LanguageModelingHead, VanillaTransformerGene
         output_router_logits: bool | None = None,
         skip_logits: bool = False,
         **kwargs: Unpack[TransformersKwargs],
-    ) -> CausalLMOutputWithPast | MoeCausalLMOutput:  # the second with experts
+    ) -> CausalLMOutputWithPast:  # MoeCausalLMOutput with experts
         r"""
         labels (`torch.LongTensor` of shape `(batch_size, length)`, *optional*):
             Usually `input_ids`; they are shifted inside the head, -100 where ignored. Labels already aligned with

@@ -24,7 +24,6 @@ from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
 from transformers.distributed.pipeline_parallel import PipelineIdentityLayer
-from transformers.integrations.moe import use_experts_implementation
 from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
@@ -43,7 +42,7 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_vanilla_transformer import GATED_FFN_TYPES, Stack, VanillaTransformerConfig
 from .inputs_vanilla_transformer import check_seq2seq_inputs, check_stack_inputs, require
-from .moe_kernels_vanilla_transformer import EXPERTS_FUNCTIONS, gated_activation, local_expert_ids
+from .moe_kernels_vanilla_transformer import VanillaTransformerExperts
 from .packing_vanilla_transformer import AttentionLayout, seq2seq_layouts, stack_layout
 from .pretrained_vanilla_transformer import LoadSaveShardMixin
 
@@ -408,8 +407,8 @@ def build_feed_forward(config: VanillaTransformerConfig, ffn_dim: int) -> nn.Mod
 #   block     y = sum_{e in top-k} p_e FFN_e(x)  (+ shared experts applied to every token, DeepSeekMoE)
 #   experts   the E FFNs as 3D tensors in Mixtral's layout, run by the function `config._experts_implementation`
 #             names (`@use_experts_implementation`): transformers' "eager", "batched_mm", "grouped_mm", ..., or ours,
-#             "sorted_grouped_mm" (the default: the same grouped matmuls, fewer passes over the rows;
-#             moe_kernels_vanilla_transformer)
+#             "sorted_grouped_mm" (the default: the same grouped matmuls, fewer passes over the rows). The experts
+#             module lives beside these kernels, in moe_kernels_vanilla_transformer, as transformers looks them up
 #   capacity  with factor c, expert e serves at most ceil(c * tokens * k / E) tokens (GShard, Switch Transformer);
 #             the rest skip it, so a token with no expert left keeps only its residual
 # The router losses that train the gate are in router_losses_vanilla_transformer.
@@ -461,76 +460,9 @@ def within_capacity(top_k_index: torch.Tensor, num_experts: int, capacity: int) 
     return (position_in_expert <= capacity).view(top_k, -1).t()
 
 
-@use_experts_implementation(experts_interface=EXPERTS_FUNCTIONS)
-class VanillaTransformerExperts(nn.Module):
-    """`num_experts` FFNs of `config.ffn_type` (§3.3 or a GLU variant) stored as 3D tensors in Mixtral's layout, so
-    that transformers' experts functions run them: gated types fuse [gate; up] in `gate_up_proj` (E, 2I, H), ungated
-    ones have `up_proj` (E, I, H); `down_proj` is (E, H, I); `*_bias` when `config.use_bias`. `forward` is the eager
-    implementation; the decorator dispatches on `config._experts_implementation`."""
-
-    def __init__(self, config: VanillaTransformerConfig, num_experts: int, ffn_dim: int):
-        super().__init__()
-        gated = config.ffn_type in GATED_FFN_TYPES
-        hidden = config.gated_hidden_size(ffn_dim) if gated else ffn_dim
-        self.num_experts = num_experts
-        if gated:
-            self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * hidden, config.d_model))
-        else:
-            self.up_proj = nn.Parameter(torch.empty(num_experts, hidden, config.d_model))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, config.d_model, hidden))
-        if config.use_bias:
-            if gated:
-                self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * hidden))
-            else:
-                self.up_proj_bias = nn.Parameter(torch.empty(num_experts, hidden))
-            self.down_proj_bias = nn.Parameter(torch.empty(num_experts, config.d_model))
-        self.activation = ffn_activation(config)
-        self.activation_dropout = Dropout(config.activation_dropout)
-
-    # What the experts functions read. The decorator assigns one `has_gate` and `has_bias` to every instance of the
-    # class after `__init__`; here they follow the config, so they are read off the parameters and that is ignored.
-    has_gate = property(lambda self: "gate_up_proj" in self._parameters, lambda self, value: None)
-    has_bias = property(lambda self: "down_proj_bias" in self._parameters, lambda self, value: None)
-
-    @property
-    def up_projection_name(self) -> str:
-        return "gate_up_proj" if self.has_gate else "up_proj"
-
-    def act_fn(self, up: torch.Tensor) -> torch.Tensor:
-        """Hidden activation of an ungated expert (the experts functions call it by this name)."""
-        return self.activation_dropout(self.activation(up))
-
-    def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """Hidden activation of a gated expert: act(gate) * up (Shazeer 2020)."""
-        return self.activation_dropout(gated_activation(gate_up, self.activation))
-
-    def forward(
-        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
-    ) -> torch.Tensor:
-        """The eager path, one expert at a time: hidden_states (T, H), top_k_index and top_k_weights (T, k) -> (T, H),
-        each token's sum over its choices of weight * FFN_expert(x).
-
-        It rounds where transformers' batched and grouped functions do, so that in bf16 or fp16 switching the
-        implementation does not change the outputs: the bias is added to the rounded product, and the sum is taken
-        in the dtype of their weighted products (expert weights' times routing weights': the router's fp32) and cast
-        once."""
-        up_name = self.up_projection_name
-        top_k_index = local_expert_ids(self, top_k_index)
-        summed_dtype = torch.promote_types(self.down_proj.dtype, top_k_weights.dtype)
-        output = hidden_states.new_zeros(hidden_states.shape, dtype=summed_dtype)
-        for expert in top_k_index.unique().tolist():
-            token, choice = torch.where(top_k_index == expert)
-            hidden = self._linear(hidden_states[token], up_name, expert)
-            hidden = self._apply_gate(hidden) if self.has_gate else self.act_fn(hidden)
-            weighted = self._linear(hidden, "down_proj", expert) * top_k_weights[token, choice, None]
-            # Under autocast the matmuls here come out in bf16 whatever the weights' dtype (the grouped kernels,
-            # which autocast does not cover, in the weights' dtype), and a bias may promote them.
-            output.index_add_(0, token, weighted.to(output.dtype))
-        return output.to(hidden_states.dtype)
-
-    def _linear(self, inputs: torch.Tensor, projection: str, expert: int) -> torch.Tensor:
-        output = F.linear(inputs, getattr(self, projection)[expert])
-        return output + getattr(self, f"{projection}_bias")[expert] if self.has_bias else output
+def expert_activation(config: VanillaTransformerConfig) -> tuple[nn.Module, nn.Module]:
+    """An expert's activation and the dropout after it: the dense FFN's (§3.3, or its GLU variant)."""
+    return ffn_activation(config), Dropout(config.activation_dropout)
 
 
 class VanillaTransformerSparseMoeBlock(nn.Module):
@@ -547,10 +479,12 @@ class VanillaTransformerSparseMoeBlock(nn.Module):
         self.top_k = config.num_experts_per_tok
         self.capacity_factor = config.expert_capacity_factor
         self.gate = VanillaTransformerRouter(config)
-        self.experts = VanillaTransformerExperts(config, config.num_experts, ffn_dim)
+        self.experts = VanillaTransformerExperts(config, config.num_experts, ffn_dim, *expert_activation(config))
         # Shared experts (Dai et al. 2024, DeepSeekMoE): experts every token is sent to with weight 1.
         self.shared_experts = (
-            VanillaTransformerExperts(config, config.num_shared_experts, ffn_dim) if config.num_shared_experts else None
+            VanillaTransformerExperts(config, config.num_shared_experts, ffn_dim, *expert_activation(config))
+            if config.num_shared_experts
+            else None
         )
         self.dropped_tokens = None
 
@@ -823,9 +757,9 @@ class VanillaTransformerPreTrainedModel(LoadSaveShardMixin, PreTrainedModel):
     _supports_flex_attn = True
     _supports_attention_backend = True
     _can_compile_fullgraph = True
-    # Each `forward` is annotated with its dense output class, with experts it returns the MoE output class named
-    # beside the annotation: one class serves dense and MoE configs, and transformers' tests read the annotation to
-    # tell whether a class returns router logits. The causal LM, whose MoE output is Mixtral's, names both.
+    # Each `forward` is annotated with its dense output class: transformers' tests read the annotation to tell whether
+    # a class returns router logits, and one class serves dense and MoE configs. With experts the forward returns the
+    # MoE output class named beside the annotation.
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:

@@ -116,8 +116,8 @@ class LoadSaveShardMixin:
 
     @classmethod
     def _can_set_experts_implementation(cls) -> bool:
-        # transformers greps the module of `cls` for "@use_experts_implementation"; the experts class lives in the
-        # modeling file, beside none of the heads.
+        # transformers greps the module of `cls` for "@use_experts_implementation"; the experts class lives beside
+        # its kernels (moe_kernels_vanilla_transformer.py), in none of the models' modules.
         return True
 
     def get_correct_experts_implementation(self, requested_experts: str | None) -> str:

@@ -20,6 +20,7 @@ from hf_vanilla_transformer import moe_kernels_vanilla_transformer as kernels
 from hf_vanilla_transformer.modeling_vanilla_transformer import (
     VanillaTransformerExperts,
     VanillaTransformerRouter,
+    expert_activation,
     ffn_activation,
 )
 from hf_vanilla_transformer.moe_kernels_vanilla_transformer import (
@@ -209,7 +210,9 @@ def test_batched_mm_is_refused_at_a_transformer_base_training_batch_without_allo
     config = VanillaTransformerConfig.from_preset("transformer-base", vocab_size=64, num_experts=8)
     config._experts_implementation = "batched_mm"
     with torch.device("meta"):
-        experts = VanillaTransformerExperts(config, config.num_experts, config.encoder_ffn_dim)
+        experts = VanillaTransformerExperts(
+            config, config.num_experts, config.encoder_ffn_dim, *expert_activation(config)
+        )
         hidden = torch.empty(128 * 64, config.d_model)
         top_k_index = torch.empty(128 * 64, 2, dtype=torch.long)
         top_k_weights = torch.empty(128 * 64, 2)

@@ -406,9 +406,9 @@ def build_feed_forward(config: VanillaTransformerConfig, ffn_dim: int) -> nn.Mod
 #   router    p = softmax(x W_r)  in fp32; the top-k experts of each token, weights optionally renormalised
 #   block     y = sum_{e in top-k} p_e FFN_e(x)  (+ shared experts applied to every token, DeepSeekMoE)
 #   experts   the E FFNs as 3D tensors in Mixtral's layout, run by the function `config._experts_implementation`
-#             names (`@use_experts_implementation`): transformers' "eager", "batched_mm", "grouped_mm", ..., or ours,
-#             "sorted_grouped_mm" (the default: the same grouped matmuls, fewer passes over the rows). The experts
-#             module lives beside these kernels, in moe_kernels_vanilla_transformer, as transformers looks them up
+#             names: transformers' "eager", "batched_mm", "grouped_mm", ..., or ours, "sorted_grouped_mm" (the
+#             default: the same grouped matmuls, fewer passes over the rows). The experts module lives beside these
+#             kernels, in moe_kernels_vanilla_transformer, where transformers' decorator dispatches it
 #   capacity  with factor c, expert e serves at most ceil(c * tokens * k / E) tokens (GShard, Switch Transformer);
 #             the rest skip it, so a token with no expert left keeps only its residual
 # The router losses that train the gate are in router_losses_vanilla_transformer.

@@ -15,7 +15,11 @@ from transformers.pipelines import get_supported_tasks
 import hf_vanilla_transformer
 from hf_vanilla_transformer import VanillaTransformerConfig, build_model_card
 from hf_vanilla_transformer.auto_vanilla_transformer import HEADS, auto_map, layout_of
-from hf_vanilla_transformer.modeling_vanilla_transformer import VanillaTransformerDecoder, VanillaTransformerEncoder
+from hf_vanilla_transformer.modeling_vanilla_transformer import (
+    VanillaTransformerDecoder,
+    VanillaTransformerEncoder,
+    VanillaTransformerModel,
+)
 
 LAYOUTS = {
     "encoder-decoder": {},
@@ -112,3 +116,22 @@ def test_router_logits_follow_the_config_and_an_explicit_argument_wins(layout):
         assert not getattr(model(**inputs, output_router_logits=False), field)
     dense = head(tiny_config(**LAYOUTS[layout]))
     assert not hasattr(dense(**inputs), field)  # a dense model returns the dense output class
+
+
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+def test_every_model_sets_its_attention_implementation_dynamically(implementation):
+    """`set_attn_implementation` works on the base model and a single stack too (transformers decides from the module
+    source whether a class may, and our attention class and its function lookup are in two files), and the forward
+    runs the implementation set: eager attention returns its weights."""
+    torch.manual_seed(0)
+    ids = torch.randint(3, 64, (2, 5))
+    for model, inputs in (
+        (VanillaTransformerModel(tiny_config()), dict(input_ids=ids, decoder_input_ids=ids)),
+        (VanillaTransformerEncoder(tiny_config()), dict(input_ids=ids)),
+    ):
+        model.set_attn_implementation(implementation)
+        assert model.config._attn_implementation == implementation
+        outputs = model.eval()(**inputs, output_attentions=implementation == "eager")
+        if implementation == "eager":
+            weights = getattr(outputs, "encoder_attentions", None) or outputs.attentions
+            assert weights and all(w is not None for w in weights)

@@ -97,6 +97,7 @@ class VanillaTransformerConfig(PreTrainedConfig):
     # Outputs the Trainer's evaluation loop must not collect as predictions (MoE losses are scalars, router logits
     # are per-layer tuples whose shapes differ between batches).
     keys_to_ignore_at_inference = [
+        "cache",  # the decoder cache (`past_key_values` before transformers 5.24)
         "past_key_values",
         "router_logits",
         "encoder_router_logits",

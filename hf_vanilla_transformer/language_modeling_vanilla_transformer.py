@@ -32,11 +32,13 @@ from .inputs_vanilla_transformer import (
     current_tokens,
 )
 from .modeling_vanilla_transformer import (
+    CACHE_FIELD,
     MoeCausalLMOutput,
     VanillaTransformerDecoder,
     VanillaTransformerEncoder,
     VanillaTransformerModel,
     VanillaTransformerPreTrainedModel,
+    given_cache,
 )
 from .packing_vanilla_transformer import shift_packed_labels
 from .router_losses_vanilla_transformer import RouterRequest, with_router_gradient, with_router_value
@@ -123,7 +125,7 @@ class VanillaTransformerForConditionalGeneration(LanguageModelingHead, VanillaTr
         decoder_input_ids: torch.LongTensor | None = None,
         decoder_attention_mask: torch.Tensor | None = None,
         encoder_outputs: BaseModelOutput | tuple | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         decoder_inputs_embeds: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
@@ -131,6 +133,7 @@ class VanillaTransformerForConditionalGeneration(LanguageModelingHead, VanillaTr
         logits_to_keep: int | torch.Tensor = 0,
         output_router_logits: bool | None = None,
         skip_logits: bool = False,
+        past_key_values: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> Seq2SeqLMOutput:  # Seq2SeqMoEOutput with experts
         r"""
@@ -139,12 +142,15 @@ class VanillaTransformerForConditionalGeneration(LanguageModelingHead, VanillaTr
             right behind `decoder_start_token_id` (teacher forcing).
         skip_logits (`bool`, *optional*, defaults to `False`):
             Return the loss without logits (`logits=None`): a training step that reads only the loss. Needs labels.
+        past_key_values (`Cache`, *optional*):
+            The name of `cache` before transformers 5.24.
 
         With experts (`num_experts > 0`) the output is a `Seq2SeqMoEOutput` with per-stack balancing and z-losses;
         their weighted sum is already in the gradient of any loss built from `logits` (see `attach_router_loss`).
         """
+        cache = given_cache(cache, past_key_values)
         check_seq2seq_inputs(self.config, input_ids, attention_mask, inputs_embeds, encoder_outputs, decoder_input_ids,
-                             decoder_attention_mask, decoder_inputs_embeds, past_key_values, labels, kwargs,
+                             decoder_attention_mask, decoder_inputs_embeds, cache, labels, kwargs,
                              skip_logits)  # fmt: skip
         if labels is not None and decoder_input_ids is None and decoder_inputs_embeds is None:
             decoder_input_ids = self.prepare_decoder_input_ids_from_labels(labels, kwargs.get("cu_seq_lens_q"))
@@ -156,7 +162,7 @@ class VanillaTransformerForConditionalGeneration(LanguageModelingHead, VanillaTr
             decoder_input_ids=decoder_input_ids,
             decoder_attention_mask=decoder_attention_mask,
             encoder_outputs=encoder_outputs,
-            past_key_values=past_key_values,
+            cache=cache,
             inputs_embeds=inputs_embeds,
             decoder_inputs_embeds=decoder_inputs_embeds,
             use_cache=False if labels is not None or self.training and use_cache is None else use_cache,  # as BART
@@ -171,7 +177,7 @@ class VanillaTransformerForConditionalGeneration(LanguageModelingHead, VanillaTr
         return Seq2SeqLMOutput(
             loss=self.token_loss(logits, labels, **kwargs),
             logits=None if skip_logits else logits,
-            past_key_values=outputs.past_key_values,
+            **{CACHE_FIELD: getattr(outputs, CACHE_FIELD)},
             decoder_hidden_states=outputs.decoder_hidden_states,
             decoder_attentions=outputs.decoder_attentions,
             cross_attentions=outputs.cross_attentions,
@@ -204,7 +210,7 @@ class VanillaTransformerForConditionalGeneration(LanguageModelingHead, VanillaTr
             decoder_aux_loss=aux.get("decoder"),
             encoder_z_loss=z.get("encoder"),
             decoder_z_loss=z.get("decoder"),
-            past_key_values=outputs.past_key_values,
+            **{CACHE_FIELD: getattr(outputs, CACHE_FIELD)},
             decoder_hidden_states=outputs.decoder_hidden_states,
             decoder_attentions=outputs.decoder_attentions,
             cross_attentions=outputs.cross_attentions,
@@ -245,13 +251,14 @@ class VanillaTransformerForCausalLM(LanguageModelingHead, VanillaTransformerGene
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         output_router_logits: bool | None = None,
         skip_logits: bool = False,
+        past_key_values: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> CausalLMOutputWithPast:  # MoeCausalLMOutput with experts
         r"""
@@ -259,11 +266,13 @@ class VanillaTransformerForCausalLM(LanguageModelingHead, VanillaTransformerGene
             Usually `input_ids`; they are shifted inside the head, -100 where ignored. Labels already aligned with
             the outputs may come as `shift_labels` instead (transformers' keyword; not a named argument, so that the
             Trainer does not take it for a label column it requires).
+        past_key_values (`Cache`, *optional*):
+            The name of `cache` before transformers 5.24.
 
         With experts the output is a `MoeCausalLMOutput` (Mixtral's, plus `z_loss`); the weighted router losses are
         already in the gradient of any loss built from `logits` (see `attach_router_loss`).
         """
-        cache, first_layer = past_key_values, self.model.first_layer_run
+        cache, first_layer = given_cache(cache, past_key_values), self.model.first_layer_run
         check_stack_inputs(
             self.config, input_ids, inputs_embeds, attention_mask, position_ids, cache, kwargs, "", labels, first_layer
         )
@@ -276,7 +285,7 @@ class VanillaTransformerForCausalLM(LanguageModelingHead, VanillaTransformerGene
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
+            cache=cache,
             inputs_embeds=inputs_embeds,
             use_cache=False if targets is not None or self.training and use_cache is None else use_cache,
             output_router_logits=router is not None and router.compute,
@@ -284,9 +293,10 @@ class VanillaTransformerForCausalLM(LanguageModelingHead, VanillaTransformerGene
             **kwargs,
         )
         logits = self.lm_head(slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep))
-        model_outputs = dict(
-            past_key_values=outputs.past_key_values, hidden_states=outputs.hidden_states, attentions=outputs.attentions
-        )
+        model_outputs = {
+            CACHE_FIELD: getattr(outputs, CACHE_FIELD), "hidden_states": outputs.hidden_states,
+            "attentions": outputs.attentions,
+        }  # fmt: skip
         if router is not None:
             return self.moe_outputs(outputs, logits, targets, router, attention_mask, skip_logits, **kwargs)
         loss = self.token_loss(logits, targets, **kwargs)
@@ -294,9 +304,10 @@ class VanillaTransformerForCausalLM(LanguageModelingHead, VanillaTransformerGene
 
     def moe_outputs(self, outputs, logits, targets, router, attention_mask, skip_logits, **kwargs) -> MoeCausalLMOutput:
         """With experts: the router losses join the gradient (see VanillaTransformerForConditionalGeneration)."""
-        model_outputs = dict(
-            past_key_values=outputs.past_key_values, hidden_states=outputs.hidden_states, attentions=outputs.attentions
-        )
+        model_outputs = {
+            CACHE_FIELD: getattr(outputs, CACHE_FIELD), "hidden_states": outputs.hidden_states,
+            "attentions": outputs.attentions,
+        }  # fmt: skip
         tokens = current_tokens(attention_mask, outputs.last_hidden_state.shape[1])
         router_losses = router.losses(self.config, decoder=(outputs.router_logits, tokens))
         logits = with_router_gradient(logits, router_losses)

@@ -46,6 +46,23 @@ from .moe_kernels_vanilla_transformer import VanillaTransformerExperts
 from .packing_vanilla_transformer import AttentionLayout, seq2seq_layouts, stack_layout
 from .pretrained_vanilla_transformer import LoadSaveShardMixin
 
+# transformers 5.24 renamed the decoder cache from `past_key_values` to `cache`: `generate` passes it under the new name
+# and the output classes hold it as `cache` (their constructors take the old name with a warning). The models take it
+# under either name and return it under the name of the installed release's output classes.
+CACHE_FIELD = (
+    "cache" if "cache" in BaseModelOutputWithPastAndCrossAttentions.__dataclass_fields__ else "past_key_values"
+)
+
+
+def given_cache(cache: Cache | None, past_key_values: Cache | None) -> Cache | None:
+    """The decoder cache a forward was given, as `cache` (transformers >= 5.24) or as `past_key_values`."""
+    if past_key_values is None:
+        return cache
+    if cache is not None:
+        raise ValueError("Pass the decoder cache as `cache` or as `past_key_values`, not both.")
+    return past_key_values
+
+
 # ------------------------------------------------------------------------------------------------------- dropout
 #
 # Dropout (§5.4), with a cheaper mask on the CPUs where PyTorch samples it one element at a time. PyTorch draws a CPU
@@ -751,7 +768,7 @@ class VanillaTransformerPreTrainedModel(LoadSaveShardMixin, PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["VanillaTransformerEncoderLayer", "VanillaTransformerDecoderLayer"]
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = ["cache", "past_key_values"]
     _supports_sdpa = True
     _supports_flash_attn = True
     _supports_flex_attn = True
@@ -932,13 +949,14 @@ class VanillaTransformerDecoder(VanillaTransformerStack):
         attention_mask: torch.Tensor | None = None,
         encoder_hidden_states: torch.Tensor | None = None,
         encoder_attention_mask: torch.Tensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
         use_cache: bool | None = None,
         attention_layout: AttentionLayout | None = None,
         cross_attention_layout: AttentionLayout | None = None,
         check_inputs: bool = True,
+        past_key_values: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> BaseModelOutputWithPastAndCrossAttentions:  # MoeDecoderOutput with experts, which adds the router logits
         r"""
@@ -947,24 +965,27 @@ class VanillaTransformerDecoder(VanillaTransformerStack):
             decoder runs alone.
         check_inputs (`bool`, defaults to `True`):
             False where the caller (a head, the base model) checked the inputs.
+        past_key_values (`Cache`, *optional*):
+            The name of `cache` before transformers 5.24.
         """
+        cache = given_cache(cache, past_key_values)
         if check_inputs:
             self.check_inputs(input_ids, attention_mask, encoder_hidden_states, encoder_attention_mask,
-                              past_key_values, inputs_embeds, position_ids, kwargs)  # fmt: skip
+                              cache, inputs_embeds, position_ids, kwargs)  # fmt: skip
         batch_size, length = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
         if attention_layout is None:
             attention_layout, cross_attention_layout = self.layouts(kwargs, (batch_size, length), encoder_hidden_states)
-        if use_cache and past_key_values is None and attention_layout.queries is None:  # flattened: a training batch
-            past_key_values = self.new_cache()
+        if use_cache and cache is None and attention_layout.queries is None:  # flattened: a training batch
+            cache = self.new_cache()
         first_layer = self.first_layer_run  # whose cache holds the decoded length
-        past_length = past_key_values.get_seq_length(first_layer) if past_key_values is not None else 0
+        past_length = cache.get_seq_length(first_layer) if cache is not None else 0
         inputs_embeds, hidden_states, rotary = self.embed(
             input_ids, inputs_embeds, position_ids, attention_layout, first_layer, past_length
         )
         if attention_layout.queries is None:
             attention_mask, encoder_attention_mask = self.padded_masks(
-                inputs_embeds, attention_mask, encoder_hidden_states, encoder_attention_mask, past_key_values,
-                position_ids, first_layer, past_length,
+                inputs_embeds, attention_mask, encoder_hidden_states, encoder_attention_mask, cache, position_ids,
+                first_layer, past_length,
             )  # fmt: skip
         for layer in self.layers:
             hidden_states = layer(
@@ -973,29 +994,29 @@ class VanillaTransformerDecoder(VanillaTransformerStack):
                 encoder_hidden_states,  # positional: activation checkpointing only passes grads through positionals
                 encoder_attention_mask=encoder_attention_mask,
                 position_embeddings=rotary,
-                past_key_values=past_key_values,
+                past_key_values=cache,
                 attention_layout=attention_layout,
                 cross_attention_layout=cross_attention_layout,
                 **kwargs,
             )
         if self.layer_norm is not None and self.runs_last_layer:
             hidden_states = self.layer_norm(hidden_states)
-        return self.output_class(last_hidden_state=hidden_states, past_key_values=past_key_values)
+        return self.output_class(last_hidden_state=hidden_states, **{CACHE_FIELD: cache})
 
     def check_inputs(
-        self, input_ids, attention_mask, encoder_hidden_states, encoder_attention_mask, past_key_values,
-        inputs_embeds, position_ids, kwargs,
+        self, input_ids, attention_mask, encoder_hidden_states, encoder_attention_mask, cache, inputs_embeds,
+        position_ids, kwargs,
     ) -> None:  # fmt: skip
         """The decoder run alone: its inputs, and those of the encoder-decoder it belongs to where it has one."""
         if encoder_hidden_states is None:
-            positions, cache, first_layer = position_ids, past_key_values, self.first_layer_run
+            positions, first_layer = position_ids, self.first_layer_run
             check_stack_inputs(
                 self.config, input_ids, inputs_embeds, attention_mask, positions, cache, kwargs, "", None, first_layer
             )
             return
         check_seq2seq_inputs(
             self.config, None, encoder_attention_mask, None, (encoder_hidden_states,), input_ids, attention_mask,
-            inputs_embeds, past_key_values, kwargs=dict(kwargs, decoder_position_ids=position_ids),
+            inputs_embeds, cache, kwargs=dict(kwargs, decoder_position_ids=position_ids),
         )  # fmt: skip
 
     def layouts(self, kwargs: dict, shape: tuple[int, int], encoder_hidden_states: torch.Tensor | None) -> tuple:
@@ -1010,23 +1031,19 @@ class VanillaTransformerDecoder(VanillaTransformerStack):
         return attention_layout, cross_attention_layout
 
     def padded_masks(
-        self, inputs_embeds, attention_mask, encoder_hidden_states, encoder_attention_mask, past_key_values,
-        position_ids, first_layer: int, past_length: int,
+        self, inputs_embeds, attention_mask, encoder_hidden_states, encoder_attention_mask, cache, position_ids,
+        first_layer: int, past_length: int,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
         """transformers' causal mask over the cache and the target, and the mask over the encoder output."""
-        self_attention_cache = (
-            past_key_values.self_attention_cache
-            if isinstance(past_key_values, EncoderDecoderCache)
-            else past_key_values
-        )
+        self_attention_cache = cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
         # Position ids restarting at 0 without a mask mark sequences packed in one row; transformers finds them only
         # without a cache, and a dynamic cache this forward starts empty changes nothing else in the mask.
         starts_dynamic_cache = type(self_attention_cache) is DynamicCache and past_length == 0
         attention_mask = create_causal_mask(
-            config=self.config,
-            inputs_embeds=inputs_embeds,
-            attention_mask=attention_mask,
-            past_key_values=None if starts_dynamic_cache else self_attention_cache,
+            self.config,
+            inputs_embeds,
+            attention_mask,
+            None if starts_dynamic_cache else self_attention_cache,  # positional: renamed `cache` in transformers 5.24
             position_ids=position_ids,
             layer_idx=first_layer,
             allow_is_causal_skip=attention_mask is None,  # deciding it from the mask's values would sync
@@ -1115,13 +1132,14 @@ class VanillaTransformerModel(VanillaTransformerPreTrainedModel):
         decoder_input_ids: torch.LongTensor | None = None,
         decoder_attention_mask: torch.Tensor | None = None,
         encoder_outputs: BaseModelOutput | tuple | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         decoder_inputs_embeds: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
         decoder_position_ids: torch.LongTensor | None = None,
         use_cache: bool | None = None,
         check_inputs: bool = True,
+        past_key_values: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> Seq2SeqModelOutput:  # Seq2SeqMoEModelOutput with experts
         r"""
@@ -1130,14 +1148,17 @@ class VanillaTransformerModel(VanillaTransformerPreTrainedModel):
             sequence).
         check_inputs (`bool`, defaults to `True`):
             False where the caller (a head) checked the inputs.
+        past_key_values (`Cache`, *optional*):
+            The name of `cache` before transformers 5.24.
 
         A flattened batch (`DataCollatorForSeq2SeqWithFlattening`) gives the offsets of its target sequences as
         `cu_seq_lens_q`/`max_length_q` and of its source sequences as `cu_seq_lens_k`/`max_length_k`.
         """
+        cache = given_cache(cache, past_key_values)
         if check_inputs:
             positions = dict(kwargs, position_ids=position_ids, decoder_position_ids=decoder_position_ids)
             check_seq2seq_inputs(self.config, input_ids, attention_mask, inputs_embeds, encoder_outputs,
-                                 decoder_input_ids, decoder_attention_mask, decoder_inputs_embeds, past_key_values,
+                                 decoder_input_ids, decoder_attention_mask, decoder_inputs_embeds, cache,
                                  kwargs=positions)  # fmt: skip
         source = (
             encoder_outputs[0] if encoder_outputs is not None else input_ids if input_ids is not None else inputs_embeds
@@ -1169,7 +1190,7 @@ class VanillaTransformerModel(VanillaTransformerPreTrainedModel):
             attention_mask=decoder_attention_mask,
             encoder_hidden_states=encoder_outputs.last_hidden_state,
             encoder_attention_mask=attention_mask,
-            past_key_values=past_key_values,
+            cache=cache,
             inputs_embeds=decoder_inputs_embeds,
             position_ids=decoder_position_ids,
             use_cache=use_cache,
@@ -1180,7 +1201,7 @@ class VanillaTransformerModel(VanillaTransformerPreTrainedModel):
         )
         outputs = dict(
             last_hidden_state=decoder_outputs.last_hidden_state,
-            past_key_values=decoder_outputs.past_key_values,
+            **{CACHE_FIELD: getattr(decoder_outputs, CACHE_FIELD)},
             decoder_hidden_states=decoder_outputs.hidden_states,
             decoder_attentions=decoder_outputs.attentions,
             cross_attentions=decoder_outputs.cross_attentions,

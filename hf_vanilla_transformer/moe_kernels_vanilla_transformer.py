@@ -18,10 +18,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.activations import SiLUActivation
-from transformers.integrations.moe import ExpertsInterface, _grouped_linear, use_experts_implementation
-from transformers.utils import is_torchdynamo_compiling
+from transformers.integrations.moe import ExpertsInterface, use_experts_implementation
+from transformers.utils import is_torchdynamo_compiling, logging
 
 from .configuration_vanilla_transformer import GATED_FFN_TYPES, VanillaTransformerConfig
+
+logger = logging.get_logger(__name__)
+
+try:  # transformers' grouped-matmul dispatch (torch's grouped_mm or its fallback), private: 5.20 to 5.24 have it
+    from transformers.integrations.moe import _grouped_linear
+except ImportError:
+    _grouped_linear = None
+    logger.warning(
+        "This transformers release has no transformers.integrations.moe._grouped_linear: the 'sorted_grouped_mm' "
+        "experts run one matmul per expert (transformers' fallback kernel) instead of torch's grouped_mm."
+    )
 
 # Rows of the gated activation's backward are processed in blocks of about this many elements (4 MB in fp32): its
 # temporaries then stay small enough for the allocator to reuse instead of mapping (and page-faulting) fresh memory.
@@ -146,7 +157,7 @@ def sorted_grouped_mm_experts_forward(
     def grouped_linear(inputs: torch.Tensor, projection: str) -> torch.Tensor:
         bias = getattr(experts, f"{projection}_bias")[expert_ids] if experts.has_bias else None
         weight = getattr(experts, projection)
-        if grouped_mm_takes(weight):
+        if _grouped_linear is not None and grouped_mm_takes(weight):
             return _grouped_linear(inputs, weight, offsets, bias, experts.is_transposed)
         return looped_grouped_linear(inputs, weight, offsets, bias, experts.is_transposed)
 
@@ -158,8 +169,7 @@ def sorted_grouped_mm_experts_forward(
 
 
 # Ours, by name, beside transformers' experts functions: `from_pretrained(..., experts_implementation=...)` and
-# `set_experts_implementation` accept the names of transformers' global table. (`_grouped_linear` is private to
-# transformers, whose version is pinned.)
+# `set_experts_implementation` accept the names of transformers' global table.
 ExpertsInterface.register(SORTED_GROUPED_MM, sorted_grouped_mm_experts_forward)
 
 

@@ -8,13 +8,13 @@
             shard is refused before any weight is read; tied weights gathered from shards are saved once
 """
 
+import re
 import shutil
 from itertools import chain
 from pathlib import Path
 
 from huggingface_hub.errors import HFValidationError
 from transformers import PreTrainedConfig
-from transformers.distributed.parallel_utils import replace_layer_number_by_wildcard
 from transformers.dynamic_module_utils import HF_MODULES_CACHE, get_cached_module_file, get_relative_import_files
 from transformers.modeling_utils import PreTrainedModel
 from transformers.utils import logging
@@ -26,6 +26,10 @@ logger = logging.get_logger(__name__)
 
 # The from_pretrained arguments that say where a checkpoint is, to read its config before choosing the class.
 HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder", "trust_remote_code")
+
+
+# A layer's number in a module name (`layers.3.mlp`), written `*` in the parallelism plans' rules (`layers.*.mlp`).
+LAYER_NUMBER = re.compile(r"\.\d+(\.|$)")
 
 
 class LoadSaveShardMixin:
@@ -95,7 +99,7 @@ class LoadSaveShardMixin:
         every other rule would match nothing and be reported as such at load time."""
         super().init_parallel_plans()
         names = chain(self.named_modules(), self.named_parameters())
-        names = {replace_layer_number_by_wildcard(name) for name, _ in names}
+        names = {LAYER_NUMBER.sub(r".*\1", name) for name, _ in names}
         for plan in ("_tp_plan", "_ep_plan", "_pp_plan"):
             setattr(self, plan, {rule: value for rule, value in getattr(self, plan).items() if rule in names})
 

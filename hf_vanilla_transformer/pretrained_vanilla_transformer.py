@@ -119,13 +119,6 @@ class LoadSaveShardMixin:
         return super().maybe_distribute_model(model, distributed_config, mesh_manager)
 
     @classmethod
-    def _can_set_attn_implementation(cls) -> bool:
-        # transformers greps the module of `cls` for an attention class and, if it finds one, for
-        # "ALL_ATTENTION_FUNCTIONS.get_interface(": the attention class is in the modeling file, the lookup in the
-        # attention layouts (packing_vanilla_transformer.py), which read `config._attn_implementation` every forward.
-        return True
-
-    @classmethod
     def _can_set_experts_implementation(cls) -> bool:
         # transformers greps the module of `cls` for "@use_experts_implementation"; the experts class lives beside
         # its kernels (moe_kernels_vanilla_transformer.py), in none of the models' modules.

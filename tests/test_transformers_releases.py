@@ -28,6 +28,9 @@ from hf_vanilla_transformer import (
 )
 
 RELEASE_CHECKPOINTS = sorted(FIXTURES.glob(f"{PREFIX}*"))
+# Saved under transformers 5.23 by the code before this package took 5.24's names: its own files cannot decode under
+# 5.24 (that code passes the cache positionally into transformers' `prepare_inputs_for_generation`).
+SAVED_BEFORE_THE_NAMES = FIXTURES / "seq2seq-saved-before-transformers-5.24-names"
 # The name the installed release's output classes give the cache.
 CACHE_FIELD = "cache" if "cache" in Seq2SeqLMOutput.__dataclass_fields__ else "past_key_values"
 
@@ -134,4 +137,19 @@ def test_a_checkpoint_saved_under_another_release_decodes_the_same_tokens(folder
 
     report = run_without_package(LOAD_REMOTE_CODE, str(folder), str(Path(__file__).parent), tmp_path=tmp_path)
     assert report["module"].startswith("transformers_modules.")  # the checkpoint's own code files
+    assert report["tokens"] == expected
+
+
+def test_a_checkpoint_saved_before_the_new_names_decodes_through_the_package_and_saved_again_alone(tmp_path):
+    """The way docs/transformers-releases.md gives for checkpoints whose code predates transformers 5.24: loaded with
+    the package (no `trust_remote_code`), it decodes what it decoded when saved; saved again, it carries code that
+    decodes the same from its own files under the installed release."""
+    expected = json.loads((SAVED_BEFORE_THE_NAMES / "expected.json").read_text())["tokens"]
+    model = AutoModelForSeq2SeqLM.from_pretrained(SAVED_BEFORE_THE_NAMES).eval()
+    assert type(model).__module__.startswith("hf_vanilla_transformer.")
+    assert {mode: generate(model, mode) for mode in DECODING} == expected
+    model.save_pretrained(tmp_path / "saved-again")
+    report = run_without_package(
+        LOAD_REMOTE_CODE, str(tmp_path / "saved-again"), str(Path(__file__).parent), tmp_path=tmp_path
+    )
     assert report["tokens"] == expected

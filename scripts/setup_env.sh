@@ -1,16 +1,33 @@
 #!/usr/bin/env bash
-# Creates ./.venv with this package and its training and test extras, from nothing.
+# Creates a virtual environment with this package and its training and test extras, from nothing.
+#
+#   bash scripts/setup_env.sh                 # ./.venv, the newest releases the package admits
+#   bash scripts/setup_env.sh 5.22.2          # ... with this transformers release
+#   VENV=.venv-oldest bash scripts/setup_env.sh oldest
+#                                             # the oldest releases the package declares (pyproject.toml's lower
+#                                             # bounds) of transformers, tokenizers, accelerate, datasets, huggingface_hub
+#
+# The transformers release may also come as TRANSFORMERS_VERSION. CI runs the test suite in both of the last two.
 # Without an NVIDIA GPU it installs PyTorch's CPU build: the default Linux wheel on PyPI pulls several GB of CUDA
 # libraries that a CPU machine cannot use.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-[ -x .venv/bin/python ] || "${PYTHON:-python3}" -m venv .venv
-pip=(.venv/bin/python -m pip install --quiet)
-if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+venv="${VENV:-.venv}"
+release="${1:-${TRANSFORMERS_VERSION:-newest}}"
+[ -x "$venv/bin/python" ] || "${PYTHON:-python3}" -m venv "$venv"
+pip=("$venv/bin/python" -m pip install --quiet)
+if ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
   if command -v nvidia-smi >/dev/null 2>&1; then
     "${pip[@]}" "torch==2.13.0"
   else
     "${pip[@]}" --retries 1 --timeout 20 "torch==2.13.0" --extra-index-url https://download.pytorch.org/whl/cpu
   fi
 fi
-"${pip[@]}" -e ".[test]"
+case "$release" in
+  newest) pins=() ;;
+  oldest)  # each "name>=X" of these dependencies in pyproject.toml, as "name==X"
+    mapfile -t pins < <(sed -nE 's/^ *"(transformers|tokenizers|accelerate|datasets|huggingface_hub)>=([^,"]+).*/\1==\2/p' pyproject.toml) ;;
+  *) pins=("transformers==$release") ;;
+esac
+"${pip[@]}" -e ".[test]" "${pins[@]}"
+"$venv/bin/python" -c "import transformers; print('transformers', transformers.__version__, 'in $venv')"

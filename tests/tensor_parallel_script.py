@@ -20,7 +20,10 @@ import torch.distributed as dist
 from conftest import padded_batch, tiny_config
 from torch.distributed.tensor import DTensor
 from transformers.distributed import DistributedConfig
-from transformers.distributed.parallel_utils import replace_layer_number_by_wildcard
+try:  # transformers' own, as the reference for the rules the plans keep
+    from transformers.distributed.parallel_utils import replace_layer_number_by_wildcard
+except ImportError:  # before transformers 5.23
+    from transformers.distributed.tensor_parallel import replace_layer_number_by_wildcard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "training"))
 import train_seq2seq  # noqa: E402

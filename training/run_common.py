@@ -275,9 +275,10 @@ class FsdpTrainerMixin(Trainer):
     def create_accelerator_and_postprocess(self) -> None:
         tp_size = getattr(self.model, "tp_size", None) or 1
         if tp_size > 1 and self.args.parallelism_config is None and not torch.accelerator.is_available():
-            self.args.parallelism_config = CpuParallelismConfig(
-                tp_size=tp_size, dp_shard_size=self.model.config.distributed_config.dp_size
-            )
+            distributed_config = self.model.config.distributed_config
+            # The ranks that each see a distinct batch (transformers 5.23 named them `dp_size`; before, no replicas).
+            dp_size = getattr(distributed_config, "dp_size", distributed_config.fsdp_size)
+            self.args.parallelism_config = CpuParallelismConfig(tp_size=tp_size, dp_shard_size=dp_size)
         super().create_accelerator_and_postprocess()
         state = self.accelerator.state
         if state.distributed_type != DistributedType.MULTI_CPU:

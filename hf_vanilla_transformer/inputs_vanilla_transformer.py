@@ -241,7 +241,8 @@ def check_seq2seq_inputs(
     else:  # generate passes the encoder output at every step; the mask over it is checked against its shape
         source = encoder_hidden_states
         check_inputs_embeds(source, config.d_model, "encoder_outputs.last_hidden_state")
-        check_attention_mask(attention_mask, source.shape[0], 1, source.shape[1], "attention_mask")
+        if attention_mask is not None:  # generate drops a mask without padding: no call at its steps
+            check_attention_mask(attention_mask, source.shape[0], 1, source.shape[1], "attention_mask")
     target = decoder_input_ids if decoder_input_ids is not None else decoder_inputs_embeds
     if target is not None:
         check_stack_inputs(

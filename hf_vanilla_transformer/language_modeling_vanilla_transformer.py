@@ -148,7 +148,8 @@ class VanillaTransformerForConditionalGeneration(LanguageModelingHead, VanillaTr
         With experts (`num_experts > 0`) the output is a `Seq2SeqMoEOutput` with per-stack balancing and z-losses;
         their weighted sum is already in the gradient of any loss built from `logits` (see `attach_router_loss`).
         """
-        cache = given_cache(cache, past_key_values)
+        if past_key_values is not None:  # from transformers 5.24 generate passes `cache`: no call at its steps
+            cache = given_cache(cache, past_key_values)
         check_seq2seq_inputs(
             self.config,
             input_ids=input_ids,
@@ -181,12 +182,17 @@ class VanillaTransformerForConditionalGeneration(LanguageModelingHead, VanillaTr
             check_inputs=False,
             **kwargs,
         )
-        logits = self.lm_head(slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep))
+        hidden_states = outputs.last_hidden_state
+        if isinstance(logits_to_keep, int):  # generate's 1 at every step, sliced inline as Llama does: one call less
+            hidden_states = hidden_states[:, -logits_to_keep:]
+        else:
+            hidden_states = slice_logits_to_keep(hidden_states, logits_to_keep)
+        logits = self.lm_head(hidden_states)
         if router is not None:
             masks = (attention_mask, decoder_attention_mask)
             return self.moe_outputs(outputs, logits, labels, router, masks, skip_logits, **kwargs)
         return Seq2SeqLMOutput(
-            loss=self.token_loss(logits, labels, **kwargs),
+            loss=None if labels is None else self.token_loss(logits, labels, **kwargs),
             logits=None if skip_logits else logits,
             **{CACHE_FIELD: getattr(outputs, CACHE_FIELD)},
             decoder_hidden_states=outputs.decoder_hidden_states,

@@ -93,7 +93,9 @@ class ScaledWordEmbedding(nn.Embedding):
         self.embed_scale = config.d_model**0.5 if config.scale_embedding else 1.0
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return super().forward(input_ids) * self.embed_scale
+        # `nn.Embedding.forward` without its call (one per decoding step): this embedding has no max_norm, no sparse
+        # gradient.
+        return F.embedding(input_ids, self.weight, self.padding_idx) * self.embed_scale
 
 
 def sinusoidal_position_encoding(position_ids: torch.Tensor, dim: int, layout: str = "interleaved") -> torch.Tensor:
@@ -138,12 +140,12 @@ class SinusoidalPositionalEmbedding(nn.Module):
     ) -> PositionOutput:
         """`positions_below`: a bound the caller knows `position_ids` keep to (a flattened batch's longest sequence),
         so that they can be looked up in the table."""
-        length = inputs_embeds.shape[1]
-        if position_ids is None and isinstance(past_length, int) and past_length + length <= self.table.shape[0]:
-            encoding = self.table[past_length : past_length + length]
-        elif position_ids is not None and positions_below is not None and positions_below <= self.table.shape[0]:
+        length, table = inputs_embeds.shape[1], self.table  # a buffer: each read is a Python call
+        if position_ids is None and isinstance(past_length, int) and past_length + length <= table.shape[0]:
+            encoding = table[past_length : past_length + length]
+        elif position_ids is not None and positions_below is not None and positions_below <= table.shape[0]:
             try:  # the lookup checks the positions itself, at no cost (a device assert on an accelerator)
-                encoding = F.embedding(position_ids, self.table)
+                encoding = F.embedding(position_ids, table)
             except IndexError as error:
                 raise ValueError(f"position_ids hold a position past max_length ({positions_below}): {error}") from None
         else:
@@ -656,11 +658,12 @@ def build_mlp(config: VanillaTransformerConfig, stack: Stack, layer_idx: int) ->
     return build_feed_forward(config, ffn_dim)
 
 
-class VanillaTransformerLayer(GradientCheckpointingLayer):
+class VanillaTransformerLayer(nn.Module):
     """One layer of either stack (§3.1): self-attention, attention over the encoder output (a decoder of an
     encoder-decoder only), then the FFN; each sub-layer wrapped in dropout, residual and norm (`SublayerConnection`).
     The subclasses name the stack (`stack`): encoder self-attention sees the whole source, decoder self-attention is
-    masked."""
+    masked. They, not this base, are the `GradientCheckpointingLayer`s: transformers >= 5.23 wraps the `forward` of
+    every subclass of it, so a layer below a second subclass would run two wrappers at every call."""
 
     stack: Stack
 
@@ -693,10 +696,13 @@ class VanillaTransformerLayer(GradientCheckpointingLayer):
         **kwargs: Unpack[TransformersKwargs],
     ) -> torch.Tensor:
         """`kwargs` reach both attentions: the decoder's cache (`past_key_values`) and transformers' attention
-        options. Each connection places the norms around its sub-layer (`SublayerConnection`)."""
+        options. Each connection places the norms around its sub-layer (`SublayerConnection`); its `forward` is called
+        as a method, which saves the two Python calls of a module call per sub-layer at every decoding step. Nothing
+        hooks a connection (transformers, FSDP and accelerate hook the layers, the attentions and the norms, which
+        are called as modules)."""
         # Self-attention (§3.2.3): over the whole source in the encoder; in the decoder `attention_mask` is causal,
         # position i sees positions <= i only.
-        hidden_states = self.self_attn_connection(
+        hidden_states = self.self_attn_connection.forward(
             hidden_states,
             self.self_attn,
             attention_mask,
@@ -706,7 +712,7 @@ class VanillaTransformerLayer(GradientCheckpointingLayer):
         )
         # Encoder-decoder attention: queries from the decoder, keys and values from the encoder output (§3.2.3).
         if encoder_hidden_states is not None:
-            hidden_states = self.encoder_attn_connection(
+            hidden_states = self.encoder_attn_connection.forward(
                 hidden_states,
                 self.encoder_attn,
                 encoder_attention_mask,
@@ -715,16 +721,16 @@ class VanillaTransformerLayer(GradientCheckpointingLayer):
                 **kwargs,
             )
         # Position-wise feed-forward network, or Mixture of Experts (§3.3).
-        return self.mlp_connection(hidden_states, self.mlp)
+        return self.mlp_connection.forward(hidden_states, self.mlp)
 
 
-class VanillaTransformerEncoderLayer(VanillaTransformerLayer):
+class VanillaTransformerEncoderLayer(VanillaTransformerLayer, GradientCheckpointingLayer):
     """An encoder layer: self-attention over the whole source, then FFN."""
 
     stack = "encoder"
 
 
-class VanillaTransformerDecoderLayer(VanillaTransformerLayer):
+class VanillaTransformerDecoderLayer(VanillaTransformerLayer, GradientCheckpointingLayer):
     """A decoder layer: masked self-attention, attention over the encoder output (absent when decoder-only), then
     FFN."""
 
@@ -1241,7 +1247,7 @@ class VanillaTransformerModel(VanillaTransformerPreTrainedModel):
             encoder_hidden_states=encoder_outputs.hidden_states,
             encoder_attentions=encoder_outputs.attentions,
         )
-        if self.config.num_experts == 0:
+        if not isinstance(decoder_outputs, MoeDecoderOutput):  # no experts (a config read costs two Python calls)
             return Seq2SeqModelOutput(**outputs)
         return Seq2SeqMoEModelOutput(
             **outputs,

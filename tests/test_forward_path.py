@@ -52,19 +52,6 @@ def translation_batch(layout: str, model) -> dict:
                 decoder_attention_mask=(labels != -100).long())  # fmt: skip
 
 
-@pytest.mark.parametrize("layout", ["padded", "flattened"])
-def test_a_training_forward_stays_within_25_functions_in_5_files(layout):
-    """BART's, Marian's and Llama's training forwards run 8-9 functions of one modeling file; ours adds the one input
-    check of the head and the attention layouts, and stays within 25 package functions in at most 5 files."""
-    model = VanillaTransformerForConditionalGeneration(tiny_config(dropout=0.0)).train()
-    batch = translation_batch(layout, model)
-    model(**batch)  # first calls (lazy imports, caches) are not the path
-    functions, files = package_functions(lambda: model(**batch).loss)
-    assert len(functions) <= 25, sorted(functions)
-    assert len(set(files)) <= 5, sorted(set(files))
-    assert "modeling_vanilla_transformer.py" in files
-
-
 def python_calls_per_token(model, inputs: torch.Tensor, new_tokens: int) -> float:
     counter = collections.Counter()
 

@@ -135,7 +135,7 @@ class VanillaTransformerForConditionalGeneration(LanguageModelingHead, VanillaTr
         skip_logits: bool = False,
         past_key_values: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
-    ) -> Seq2SeqLMOutput | Seq2SeqMoEOutput:  # Seq2SeqMoEOutput with experts
+    ) -> Seq2SeqLMOutput:  # Seq2SeqMoEOutput with experts
         r"""
         labels (`torch.LongTensor` of shape `(batch_size, target_length)`, *optional*):
             Target token ids, -100 where ignored. Without `decoder_input_ids` the decoder input is `labels` shifted
@@ -278,7 +278,7 @@ class VanillaTransformerForCausalLM(LanguageModelingHead, VanillaTransformerGene
         skip_logits: bool = False,
         past_key_values: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
-    ) -> CausalLMOutputWithPast | MoeCausalLMOutput:  # MoeCausalLMOutput with experts
+    ) -> CausalLMOutputWithPast:  # MoeCausalLMOutput with experts
         r"""
         labels (`torch.LongTensor` of shape `(batch_size, length)`, *optional*):
             Usually `input_ids`; they are shifted inside the head, -100 where ignored. Labels already aligned with

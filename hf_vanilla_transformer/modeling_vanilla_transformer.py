@@ -886,7 +886,7 @@ class VanillaTransformerEncoder(VanillaTransformerStack):
         flattened_attention: FlattenedAttention | None = None,
         check_inputs: bool = True,
         **kwargs: Unpack[TransformersKwargs],
-    ) -> BaseModelOutput | MoeEncoderOutput:  # MoeEncoderOutput with experts: the router logits of its MoE layers
+    ) -> BaseModelOutput:  # MoeEncoderOutput with experts: the router logits of its MoE layers
         r"""
         flattened_attention (`FlattenedAttention`, *optional*):
             How its attention runs over a flattened batch, built by the encoder-decoder for both stacks; built here
@@ -963,7 +963,7 @@ class VanillaTransformerDecoder(VanillaTransformerStack):
         check_inputs: bool = True,
         past_key_values: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
-    ) -> BaseModelOutputWithPastAndCrossAttentions | MoeDecoderOutput:  # MoeDecoderOutput with experts
+    ) -> BaseModelOutputWithPastAndCrossAttentions:  # MoeDecoderOutput with experts
         r"""
         flattened_attention, flattened_cross_attention (`FlattenedAttention`, *optional*):
             How its self- and cross-attention run over a flattened batch, built by the encoder-decoder for both
@@ -1173,7 +1173,7 @@ class VanillaTransformerModel(VanillaTransformerPreTrainedModel):
         check_inputs: bool = True,
         past_key_values: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
-    ) -> Seq2SeqModelOutput | Seq2SeqMoEModelOutput:  # Seq2SeqMoEModelOutput with experts
+    ) -> Seq2SeqModelOutput:  # Seq2SeqMoEModelOutput with experts
         r"""
         decoder_position_ids (`torch.LongTensor` of shape `(batch_size, target_length)`, *optional*):
             The target positions (default: 0, 1, ... after the cache; in a flattened batch, restarting at each

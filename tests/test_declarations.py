@@ -1,15 +1,29 @@
 """One declaration per head (auto_vanilla_transformer.HEADS): registration, every checkpoint's auto_map and the
-model card derive from it; and what the heads' signatures tell transformers."""
+model card derive from it; and the output class each model returns, dense and with experts."""
 
 import dataclasses
 import importlib
 import json
-import typing
 
 import pytest
 import torch
 import transformers
 from conftest import tiny_config
+from transformers.modeling_outputs import (
+    BaseModelOutput,
+    BaseModelOutputWithPastAndCrossAttentions,
+    CausalLMOutputWithPast,
+    ImageClassifierOutput,
+    MaskedLMOutput,
+    MoeCausalLMOutputWithPast,
+    QuestionAnsweringModelOutput,
+    Seq2SeqLMOutput,
+    Seq2SeqModelOutput,
+    Seq2SeqMoEModelOutput,
+    Seq2SeqMoEOutput,
+    SequenceClassifierOutput,
+    TokenClassifierOutput,
+)
 from transformers.pipelines import get_supported_tasks
 
 import hf_vanilla_transformer
@@ -81,22 +95,59 @@ def test_model_card_tags_are_tasks_transformers_has_a_pipeline_for(name):
     assert f"{head.auto_class}.from_pretrained(" in card.text and head.usage.splitlines()[0] in card.text
 
 
-def output_fields(head: type) -> set[str]:
-    """The fields of the output class(es) a head's `forward` is annotated to return."""
-    annotation = typing.get_type_hints(head.forward)["return"]
-    classes = typing.get_args(annotation) or (annotation,)
-    return {field.name for output in classes for field in dataclasses.fields(output)}
+# What each model returns, dense and with experts: transformers' output class for its task (with experts a seq2seq
+# model's are NLLB-MoE's and Switch's, a causal LM's Mixtral's, a stack's its dense class with `router_logits` added);
+# the heads with one output per sequence or token have no MoE variant in transformers and return the dense class.
+OUTPUTS = {
+    "VanillaTransformerModel": (Seq2SeqModelOutput, Seq2SeqMoEModelOutput),
+    "VanillaTransformerForConditionalGeneration": (Seq2SeqLMOutput, Seq2SeqMoEOutput),
+    "VanillaTransformerForCausalLM": (CausalLMOutputWithPast, MoeCausalLMOutputWithPast),
+    "VanillaTransformerForMaskedLM": (MaskedLMOutput, MaskedLMOutput),
+    "VanillaTransformerForSequenceClassification": (SequenceClassifierOutput, SequenceClassifierOutput),
+    "VanillaTransformerForTokenClassification": (TokenClassifierOutput, TokenClassifierOutput),
+    "VanillaTransformerForQuestionAnswering": (QuestionAnsweringModelOutput, QuestionAnsweringModelOutput),
+    "VanillaTransformerForImageClassification": (ImageClassifierOutput, ImageClassifierOutput),
+    "VanillaTransformerEncoder": (BaseModelOutput, BaseModelOutput),
+    "VanillaTransformerDecoder": (BaseModelOutputWithPastAndCrossAttentions,) * 2,
+}
+STACKS = {
+    "VanillaTransformerEncoder": (VanillaTransformerEncoder, "encoder-only"),
+    "VanillaTransformerDecoder": (VanillaTransformerDecoder, "decoder-only"),
+}
+# The models whose outputs with experts carry router logits, and the fields that hold them.
+ROUTED = {
+    "VanillaTransformerModel", "VanillaTransformerForConditionalGeneration", "VanillaTransformerForCausalLM", *STACKS
+}  # fmt: skip
+ROUTER_LOGITS = {"router_logits", "encoder_router_logits", "decoder_router_logits"}
 
 
-@pytest.mark.parametrize(
-    "model_class",
-    [*map(declared_class, HEADS), VanillaTransformerEncoder, VanillaTransformerDecoder],  # and the single-stack bases
-    ids=lambda model_class: model_class.__name__,
-)
-def test_models_are_annotated_with_their_dense_outputs(model_class):
-    # transformers reads the annotation to tell whether a class returns router logits; one class serves dense and
-    # MoE configs, so it must not promise them to a dense model.
-    assert not {"router_logits", "encoder_router_logits", "decoder_router_logits"} & output_fields(model_class)
+def test_every_model_has_its_expected_outputs():
+    assert set(OUTPUTS) == set(HEADS) | set(STACKS)
+
+
+@pytest.mark.parametrize("experts", [0, 4], ids=["dense", "moe"])
+@pytest.mark.parametrize("name", list(OUTPUTS))
+def test_each_model_returns_its_tasks_output_class_dense_and_with_experts(name, experts):
+    """A dense model returns the dense class itself, with no router logits; with experts and `output_router_logits`
+    the MoE class, whose router logits hold one tensor per layer of each stack."""
+    model_class, layout = STACKS[name] if name in STACKS else (declared_class(name), HEADS[name].layouts[0])
+    config = tiny_config(**LAYOUTS[layout], num_experts=experts, output_router_logits=experts > 0)
+    torch.manual_seed(0)
+    ids = torch.randint(3, 64, (2, 5))
+    inputs = dict(input_ids=ids, decoder_input_ids=ids) if layout == "encoder-decoder" else dict(input_ids=ids)
+    if layout == "image-encoder":
+        inputs = dict(pixel_values=torch.randn(2, config.num_channels, 8, 8))
+    with torch.no_grad():
+        outputs = model_class(config).eval()(**inputs)
+    dense, with_experts = OUTPUTS[name]
+    router_fields = ROUTER_LOGITS & {field.name for field in dataclasses.fields(outputs)}
+    if not experts:
+        assert type(outputs) is dense and not router_fields
+        return
+    assert isinstance(outputs, with_experts)
+    assert bool(router_fields) == (name in ROUTED)
+    for field in router_fields:
+        assert len(getattr(outputs, field)) == 2, field  # tiny_config: 2 layers per stack, every one sparse
 
 
 @pytest.mark.parametrize("layout", ["encoder-decoder", "decoder-only"])

@@ -28,14 +28,15 @@ from transformers.pipelines import get_supported_tasks
 
 import hf_vanilla_transformer
 from hf_vanilla_transformer import VanillaTransformerConfig, build_model_card
-from hf_vanilla_transformer.auto_vanilla_transformer import HEADS, auto_map, layout_of
+from hf_vanilla_transformer.auto_vanilla_transformer import HEADS, auto_map, checkpoint_kind
 from hf_vanilla_transformer.modeling_vanilla_transformer import (
     VanillaTransformerDecoder,
     VanillaTransformerEncoder,
     VanillaTransformerModel,
 )
 
-LAYOUTS = {
+# A tiny config of each kind of checkpoint (auto_vanilla_transformer.CheckpointKind): the overrides of tiny_config.
+KIND_CONFIGS = {
     "encoder-decoder": {},
     "decoder-only": dict(is_encoder_decoder=False, is_decoder=True),
     "encoder-only": dict(is_encoder_decoder=False, is_decoder=False),
@@ -66,30 +67,30 @@ def test_every_declared_class_is_public_and_registered_with_its_auto_class(name)
     assert head._auto_class == HEADS[name].auto_class
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_a_checkpoint_names_every_head_that_can_load_it_and_carries_its_code(tmp_path, layout):
+@pytest.mark.parametrize("kind", list(KIND_CONFIGS))
+def test_a_checkpoint_names_every_head_that_can_load_it_and_carries_its_code(tmp_path, kind):
     torch.manual_seed(0)
-    config = tiny_config(**LAYOUTS[layout])
-    loaders = [name for name, head in HEADS.items() if layout in head.layouts and name != "VanillaTransformerModel"]
+    config = tiny_config(**KIND_CONFIGS[kind])
+    loaders = [name for name, head in HEADS.items() if kind in head.layouts and name != "VanillaTransformerModel"]
     saved = declared_class(loaders[0])(config)
     saved.save_pretrained(tmp_path)
     written = json.loads((tmp_path / "config.json").read_text())["auto_map"]
     assert written == auto_map(saved.config, type(saved).__name__)
-    base = {"AutoModel"} if layout != "image-encoder" else set()  # AutoModel would give an image the text encoder
+    base = {"AutoModel"} if kind != "image-encoder" else set()  # AutoModel would give an image the text encoder
     assert {HEADS[name].auto_class for name in loaders} | {"AutoConfig"} | base == set(written)
     for reference in written.values():
         module, class_name = reference.split(".")
         assert f"class {class_name}(" in (tmp_path / f"{module}.py").read_text()
     for name in loaders:  # each of them loads the checkpoint (the single-stack heads: its stack, a new output layer)
         loaded = getattr(transformers, HEADS[name].auto_class).from_pretrained(tmp_path)
-        assert type(loaded) is declared_class(name) and layout_of(loaded.config, name) == layout
+        assert type(loaded) is declared_class(name) and checkpoint_kind(loaded.config, name) == kind
 
 
 @pytest.mark.parametrize("name", list(HEADS))
 def test_model_card_tags_are_tasks_transformers_has_a_pipeline_for(name):
     head = HEADS[name]
     assert head.pipeline_tag is None or head.pipeline_tag in get_supported_tasks()
-    config = tiny_config(**LAYOUTS[head.layouts[0]], architectures=[name])
+    config = tiny_config(**KIND_CONFIGS[head.layouts[0]], architectures=[name])
     card = build_model_card(config)
     assert card.data.pipeline_tag == head.pipeline_tag
     assert f"{head.auto_class}.from_pretrained(" in card.text and head.usage.splitlines()[0] in card.text
@@ -130,12 +131,12 @@ def test_every_model_has_its_expected_outputs():
 def test_each_model_returns_its_tasks_output_class_dense_and_with_experts(name, experts):
     """A dense model returns the dense class itself, with no router logits; with experts and `output_router_logits`
     the MoE class, whose router logits hold one tensor per layer of each stack."""
-    model_class, layout = STACKS[name] if name in STACKS else (declared_class(name), HEADS[name].layouts[0])
-    config = tiny_config(**LAYOUTS[layout], num_experts=experts, output_router_logits=experts > 0)
+    model_class, kind = STACKS[name] if name in STACKS else (declared_class(name), HEADS[name].layouts[0])
+    config = tiny_config(**KIND_CONFIGS[kind], num_experts=experts, output_router_logits=experts > 0)
     torch.manual_seed(0)
     ids = torch.randint(3, 64, (2, 5))
-    inputs = dict(input_ids=ids, decoder_input_ids=ids) if layout == "encoder-decoder" else dict(input_ids=ids)
-    if layout == "image-encoder":
+    inputs = dict(input_ids=ids, decoder_input_ids=ids) if kind == "encoder-decoder" else dict(input_ids=ids)
+    if kind == "image-encoder":
         inputs = dict(pixel_values=torch.randn(2, config.num_channels, 8, 8))
     with torch.no_grad():
         outputs = model_class(config).eval()(**inputs)
@@ -150,22 +151,22 @@ def test_each_model_returns_its_tasks_output_class_dense_and_with_experts(name, 
         assert len(getattr(outputs, field)) == 2, field  # tiny_config: 2 layers per stack, every one sparse
 
 
-@pytest.mark.parametrize("layout", ["encoder-decoder", "decoder-only"])
-def test_router_logits_follow_the_config_and_an_explicit_argument_wins(layout):
+@pytest.mark.parametrize("kind", ["encoder-decoder", "decoder-only"])
+def test_router_logits_follow_the_config_and_an_explicit_argument_wins(kind):
     torch.manual_seed(0)
-    seq2seq = layout == "encoder-decoder"
+    seq2seq = kind == "encoder-decoder"
     head = declared_class("VanillaTransformerForConditionalGeneration" if seq2seq else "VanillaTransformerForCausalLM")
-    model = head(tiny_config(**LAYOUTS[layout], num_experts=4, num_experts_per_tok=2)).eval()
-    field = "decoder_router_logits" if layout == "encoder-decoder" else "router_logits"
+    model = head(tiny_config(**KIND_CONFIGS[kind], num_experts=4, num_experts_per_tok=2)).eval()
+    field = "decoder_router_logits" if kind == "encoder-decoder" else "router_logits"
     inputs = dict(input_ids=torch.randint(3, 64, (2, 5)))
-    if layout == "encoder-decoder":
+    if kind == "encoder-decoder":
         inputs["decoder_input_ids"] = torch.randint(3, 64, (2, 4))
     with torch.no_grad():
         assert not getattr(model(**inputs), field)
         model.config.output_router_logits = True
         assert len(getattr(model(**inputs), field)) == model.config.decoder_layers
         assert not getattr(model(**inputs, output_router_logits=False), field)
-    dense = head(tiny_config(**LAYOUTS[layout]))
+    dense = head(tiny_config(**KIND_CONFIGS[kind]))
     assert not hasattr(dense(**inputs), field)  # a dense model returns the dense output class
 
 

@@ -438,13 +438,17 @@ def test_a_saved_transformers_seq2seq_model_trains_with_the_script(tmp_path):
         + ["--per_device_train_batch_size", "4", "--logging_steps", "2", "--max_new_tokens_over_source", "4"]
         + ["--save_steps", "3", "--average_last_checkpoints", "2", "--metric_for_best_model", "bleu"]
     )
-    assert metrics["eval_bleu_last"] >= 0 and metrics["eval_bleu_averaged"] >= 0  # both weights were scored
+    # Both weights were scored on validation, and the better kept (the last on a tie): its score and its count.
+    last, averaged = metrics["eval_bleu_last"], metrics["eval_bleu_averaged"]
+    assert 0 <= last <= 100 and 0 <= averaged <= 100
+    assert metrics["eval_bleu"] == max(last, averaged)
+    assert metrics["averaged_checkpoints"] == (2 if averaged > last else 1)
     trained = MarianMTModel.from_pretrained(output_dir)
     initial = MarianMTModel.from_pretrained(init_dir)
     assert not torch.equal(trained.model.shared.weight, initial.model.shared.weight)
     history = json.loads((output_dir / "trainer_state.json").read_text())["log_history"]
     assert [entry["step"] for entry in history if "loss" in entry] == [2, 4, 6]
-    assert "eval_bleu" in metrics and json.loads((output_dir / "all_results.json").read_text())["eval_bleu"] >= 0
+    assert json.loads((output_dir / "all_results.json").read_text())["eval_bleu"] == metrics["eval_bleu"]
     assert not (output_dir / "README.md").exists()
 
 

@@ -8,6 +8,7 @@ set is scored. Tiny models, a few seconds each (the SIGKILL tests are in test_in
 
 import json
 import logging
+import math
 import os
 import shutil
 import subprocess
@@ -177,6 +178,15 @@ SCRIPTS = {  # each script, and the arguments of a short run of it on its demo d
         ["--config_overrides", "d_model=16,encoder_layers=1,encoder_attention_heads=2,encoder_ffn_dim=32", *SHORT_RUN],
     ),
 }
+
+
+@pytest.mark.parametrize("script", ["classifier", "image classifier", "causal LM", "masked LM"])
+def test_label_smoothing_trains_with_every_script(tmp_path, script):
+    """--label_smoothing_factor 0.1 trains every head the scripts train (seq2seq smooths by default): each head's
+    loss is smoothed with its own arguments (the classifiers' are not the language models')."""
+    module, run = SCRIPTS[script]
+    metrics = module.main([*run, "--label_smoothing_factor", "0.1", "--output_dir", str(tmp_path / "out")])
+    assert math.isfinite(metrics["train_loss"]) and metrics["train_loss"] > 0
 
 
 def folder_contents(folder: Path) -> dict[str, bytes]:

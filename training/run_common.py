@@ -161,23 +161,71 @@ class NoamTrainerMixin(Trainer):
         return self.lr_scheduler
 
 
-def label_smoothed_loss(epsilon: float) -> Callable[..., torch.Tensor]:
-    """transformers' token loss (`ForMaskedLMLoss`: labels aligned with the logits, -100 ignored, summed and divided
-    by `num_items_in_batch` when given) with label smoothing (§5.4): (1 - eps) NLL + eps/V sum_v -log p_v, the
-    Trainer's `LabelSmoother` as one cross-entropy, in float32."""
+def smoothed_cross_entropy(
+    logits: torch.Tensor, labels: torch.Tensor, epsilon: float, num_items_in_batch=None, ignore_index: int = -100
+) -> torch.Tensor:
+    """transformers' `fixed_cross_entropy` (-100 ignored, summed and divided by `num_items_in_batch` when given) with
+    label smoothing (§5.4): (1 - eps) NLL + eps/V sum_v -log p_v, the Trainer's `LabelSmoother` as one cross-entropy,
+    in float32. `logits` (N, V), `labels` (N,)."""
+    reduction = "mean" if num_items_in_batch is None else "sum"
+    total = torch.nn.functional.cross_entropy(
+        logits.float(), labels.to(logits.device), ignore_index=ignore_index, reduction=reduction, label_smoothing=epsilon
+    )
+    return total if num_items_in_batch is None else total / num_items_in_batch
 
-    def loss(logits, labels, vocab_size: int, num_items_in_batch=None, ignore_index: int = -100, **kwargs):
-        reduction = "mean" if num_items_in_batch is None else "sum"
-        total = torch.nn.functional.cross_entropy(
-            logits.float().view(-1, vocab_size),
-            labels.view(-1).to(logits.device),
-            ignore_index=ignore_index,
-            reduction=reduction,
-            label_smoothing=epsilon,
+
+def single_label_problem(config: Any, labels: torch.Tensor) -> None:
+    """Label smoothing smooths a class id: refuse the regression and multi-label problems transformers' sequence
+    classification loss infers (one label; float targets) or is told (`problem_type`)."""
+    problem = config.problem_type
+    if problem is None:
+        is_class_id = config.num_labels > 1 and labels.dtype in (torch.long, torch.int)
+        problem = "single_label_classification" if is_class_id else "regression or multi-label classification"
+    if problem != "single_label_classification":
+        raise ValueError(
+            f"--label_smoothing_factor smooths class ids; this classifier's problem is {problem} "
+            f"(num_labels={config.num_labels}, labels of {labels.dtype}): drop it."
         )
-        return total if num_items_in_batch is None else total / num_items_in_batch
 
-    return loss
+
+def label_smoothed_loss(epsilon: float, loss_type: str = "ForMaskedLM") -> Callable[..., torch.Tensor]:
+    """The `loss_function` of a model of transformers' `loss_type` (the heads call each with its own arguments) with
+    label smoothing, as `smoothed_cross_entropy`: "ForMaskedLM" (our language models: labels aligned with the
+    logits), sequence and image classification, token classification, question answering (start and end smoothed
+    alike; the Trainer's `LabelSmoother` would not smooth them, having no `labels` to pop)."""
+
+    def token_loss(logits, labels, vocab_size: int, num_items_in_batch=None, ignore_index: int = -100, **kwargs):
+        flat = logits.view(-1, vocab_size), labels.view(-1)
+        return smoothed_cross_entropy(*flat, epsilon, num_items_in_batch, ignore_index)
+
+    def sequence_classification_loss(labels, pooled_logits, config, num_items_in_batch=None, **kwargs):
+        single_label_problem(config, labels)
+        flat = pooled_logits.view(-1, config.num_labels), labels.view(-1)
+        return smoothed_cross_entropy(*flat, epsilon, num_items_in_batch)
+
+    def token_classification_loss(logits, labels, config, num_items_in_batch=None, ignore_index=-100, **kwargs):
+        flat = logits.view(-1, config.num_labels), labels.view(-1)
+        return smoothed_cross_entropy(*flat, epsilon, num_items_in_batch, ignore_index)
+
+    def question_answering_loss(start_logits, end_logits, start_positions, end_positions, **kwargs):
+        # transformers' ForQuestionAnsweringLoss: positions outside the sequence are clamped to one past it, ignored.
+        outside, count = start_logits.size(1), kwargs.get("num_items_in_batch")
+        start, end = (
+            smoothed_cross_entropy(logits, positions.view(-1).clamp(0, outside), epsilon, count, ignore_index=outside)
+            for logits, positions in ((start_logits, start_positions), (end_logits, end_positions))
+        )
+        return (start + end) / 2
+
+    losses = {
+        "ForMaskedLM": token_loss,
+        "ForSequenceClassification": sequence_classification_loss,
+        "ForImageClassification": sequence_classification_loss,
+        "ForTokenClassification": token_classification_loss,
+        "ForQuestionAnswering": question_answering_loss,
+    }
+    if loss_type not in losses:
+        raise ValueError(f"--label_smoothing_factor: no label-smoothed loss for a {loss_type} head ({sorted(losses)}).")
+    return losses[loss_type]
 
 
 class ModelLossMixin(Trainer):
@@ -191,8 +239,8 @@ class ModelLossMixin(Trainer):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         ours = isinstance(self.model, VanillaTransformerPreTrainedModel)
-        if ours and self.label_smoother is not None:
-            self.model.loss_function = label_smoothed_loss(self.label_smoother.epsilon)
+        if ours and self.label_smoother is not None:  # each head calls its loss with its own arguments
+            self.model.loss_function = label_smoothed_loss(self.label_smoother.epsilon, self.model.loss_type)
             self.label_smoother = None
         self.loss_without_logits = ours and "skip_logits" in inspect.signature(self.model.forward).parameters
 

@@ -169,7 +169,11 @@ def smoothed_cross_entropy(
     in float32. `logits` (N, V), `labels` (N,)."""
     reduction = "mean" if num_items_in_batch is None else "sum"
     total = torch.nn.functional.cross_entropy(
-        logits.float(), labels.to(logits.device), ignore_index=ignore_index, reduction=reduction, label_smoothing=epsilon
+        logits.float(),
+        labels.to(logits.device),
+        ignore_index=ignore_index,
+        reduction=reduction,
+        label_smoothing=epsilon,
     )
     return total if num_items_in_batch is None else total / num_items_in_batch
 
@@ -443,14 +447,106 @@ def pretrained_model_kwargs(model_args: Any) -> dict[str, Any]:
     return kwargs
 
 
+@dataclass(frozen=True)
+class Bound:
+    """The values a numeric argument may take: from `low` to `high`, each end included where `ends` has a bracket
+    ("[)": low included, high not); never NaN or infinite. `why` ends the refusal's message."""
+
+    low: float = -math.inf
+    high: float = math.inf
+    ends: str = "[]"
+    why: str = ""
+
+    def holds(self, value: float) -> bool:
+        above = value >= self.low if self.ends[0] == "[" else value > self.low
+        below = value <= self.high if self.ends[1] == "]" else value < self.high
+        return above and below and math.isfinite(value)
+
+    def __str__(self) -> str:
+        if self.high < math.inf:
+            return f"in {self.ends[0]}{self.low:g}, {self.high:g}{self.ends[1]}"
+        if self.low == -math.inf:
+            return "a finite number"
+        return f"{self.low:g} or more" if self.ends[0] == "[" else f"above {self.low:g}"
+
+
+AT_LEAST_ONE = Bound(1)
+NOT_NEGATIVE = Bound(0)
+SHARE = Bound(0, 1, "[)")
+NO_TRUNCATION = "tokens; the tokenizer reads 0 as no truncation"
+# Every numeric argument of the scripts that can be wrong and that nothing else refuses before training begins:
+# the Trainer reads most of these only in its first step, at evaluation or at saving, after --overwrite_output_dir
+# has emptied the folder; data work would fail later on others, or silently read 0 as "no limit". None: not set.
+ARGUMENT_BOUNDS = {
+    # The Trainer's (transformers' TrainingArguments and Seq2SeqTrainingArguments)
+    "label_smoothing_factor": Bound(0, 1, "[)", "the share of each target spread over all classes"),
+    "learning_rate": Bound(0, ends="(]"),
+    "weight_decay": NOT_NEGATIVE,
+    "max_grad_norm": Bound(0, why="0 turns clipping off"),
+    "per_device_train_batch_size": AT_LEAST_ONE,
+    "per_device_eval_batch_size": AT_LEAST_ONE,
+    "gradient_accumulation_steps": AT_LEAST_ONE,
+    "eval_accumulation_steps": AT_LEAST_ONE,
+    "save_total_limit": AT_LEAST_ONE,
+    "dataloader_num_workers": NOT_NEGATIVE,
+    "generation_max_length": Bound(2, why="the decoder's start token and at least one generated token"),
+    "generation_num_beams": AT_LEAST_ONE,
+    # The scripts' own
+    "gnmt_alpha": Bound(),
+    "max_new_tokens_over_source": NOT_NEGATIVE,
+    "max_source_length": Bound(1, why=NO_TRUNCATION),
+    "max_target_length": Bound(1, why=NO_TRUNCATION),
+    "max_seq_length": Bound(1, why=NO_TRUNCATION),
+    "block_size": Bound(2, why="a block's first token predicts the second"),
+    "max_train_samples": Bound(1, why="examples; the script reads 0 as every example"),
+    "max_eval_samples": Bound(1, why="examples; the script reads 0 as every example"),
+    "demo_train_size": AT_LEAST_ONE,
+    "demo_validation_size": AT_LEAST_ONE,
+    "tokenizer_vocab_size": AT_LEAST_ONE,
+    "tp_size": AT_LEAST_ONE,
+    "mlm_probability": Bound(0, 1, "()"),
+    "train_val_split": SHARE,
+    "rotation_degrees": NOT_NEGATIVE,
+    "scale_jitter": Bound(0, 1, "[)", "zooms are drawn from [1 - s, 1 + s]"),
+    "translate": Bound(0, 1, why="the largest shift, as a share of the image"),
+}
+
+
+def check_argument_bounds(groups: tuple[Any, ...]) -> None:
+    """Every argument of the parsed dataclasses that ARGUMENT_BOUNDS knows, refused by name outside its bounds."""
+    for group in groups:
+        for argument in dataclasses.fields(group):
+            bound, value = ARGUMENT_BOUNDS.get(argument.name), getattr(group, argument.name)
+            if bound is None or value is None or bound.holds(value):
+                continue
+            why = f" ({bound.why})" if bound.why else ""
+            raise ValueError(f"--{argument.name} must be {bound}, got {value}{why}.")
+
+
+def check_step_counts(training_args: Any) -> None:
+    """The Trainer's step counts where its strategy reads them (a count, or below 1 a share of the run): a run that
+    trains no step, or logs, saves or evaluates at a negative interval, is refused before it starts."""
+    if training_args.max_steps <= 0 and not training_args.num_train_epochs > 0:
+        raise ValueError(
+            f"--num_train_epochs must be above 0 without --max_steps, got {training_args.num_train_epochs}: the run "
+            "would train no step."
+        )
+    for name in ("logging", "save", "eval"):
+        steps, strategy = getattr(training_args, f"{name}_steps"), getattr(training_args, f"{name}_strategy")
+        if strategy == "steps" and steps is not None and not steps > 0:
+            raise ValueError(f"--{name}_steps must be above 0 with --{name}_strategy steps, got {steps}.")
+
+
 def parse_script_arguments(
     dataclass_types: tuple[type, ...], argv: list[str] | None, **new_model_fields: Any
 ) -> tuple[Any, ...]:
     """A training script's argument dataclasses (model, data, training) from `argv`, the command line by default,
-    with the processes configured and the model arguments checked; then the logging set up and every random
-    generator seeded with `--seed`."""
+    with the processes configured and every argument checked that can be on its own (`ARGUMENT_BOUNDS`, the step
+    counts, the model arguments); then the logging set up and every random generator seeded with `--seed`."""
     configure_processes()
     model_args, *other_args = HfArgumentParser(dataclass_types).parse_args_into_dataclasses(args=argv)
+    check_argument_bounds((model_args, *other_args))
+    check_step_counts(other_args[-1])
     check_model_arguments(model_args, new_model_fields)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     transformers.utils.logging.set_verbosity_warning()
@@ -634,3 +730,73 @@ def required_split(data: DatasetDict, split: str, flag: str) -> Any:
     if split not in data:
         raise ValueError(f"{flag} needs a {split} split; the data has {list(data)}.")
     return data[split]
+
+
+def position_limit(config: Any) -> int | None:
+    """The most positions the model embeds, or None without a limit: this package's learned positions (its
+    sinusoids, rotary and no positions extrapolate to any length); transformers' models' max_position_embeddings
+    (HF Marian's sinusoids are a table of that many rows)."""
+    if config.model_type == VanillaTransformerConfig.model_type:
+        return config.max_position_embeddings if config.position_embedding_type == "learned" else None
+    return getattr(config, "max_position_embeddings", None)
+
+
+def round_up(length: int, multiple: int) -> int:
+    return -(-length // multiple) * multiple
+
+
+def longest(data: Any, column: str = "input_ids") -> int:
+    return max(map(len, data[column]), default=0)
+
+
+def check_positions(config: Any, needs: Callable[[], dict[str, int]], remedy: str) -> None:
+    """Each of `needs()` (what needs positions: how many) fits the model's `position_limit`, so that no step fails
+    on a position past it; `needs` reads the data only when the model has a limit."""
+    limit = position_limit(config)
+    if limit is None:
+        return
+    for what, positions in needs().items():
+        if positions > limit:
+            raise ValueError(
+                f"{what} needs {positions} positions, more than the model has (max_position_embeddings={limit}): "
+                f"{remedy}."
+            )
+
+
+def check_text_positions(config: Any, splits: dict[str, Any]) -> None:
+    """Each split's longest tokenized text (a batch is padded to its longest) fits the model's positions."""
+
+    def needs() -> dict[str, int]:
+        return {f"The {name} split's longest text": longest(split) for name, split in splits.items()}
+
+    check_positions(config, needs, "lower --max_seq_length or give the model more positions")
+
+
+def check_not_empty(splits: dict[str, Any], hint: str = "") -> None:
+    """A split left with no example once prepared would fail the Trainer at its first batch (evaluation: after
+    training); refused now, naming it."""
+    for name, split in splits.items():
+        if len(split) == 0:
+            raise ValueError(f"The {name} split has no example once prepared{hint}.")
+
+
+def evaluates_during_training(training_args: Any) -> bool:
+    return training_args.eval_strategy != "no" or training_args.eval_every_minutes is not None
+
+
+def check_metric_for_best_model(training_args: Any, reported: set[str]) -> None:
+    """--metric_for_best_model must name a metric the evaluations report (`reported`, without the eval_ prefix):
+    the Trainer reads it after each evaluation during training, and --average_last_checkpoints after training."""
+    metric = training_args.metric_for_best_model
+    if metric is None or not training_args.do_eval:
+        return
+    if metric.removeprefix("eval_") not in reported:
+        raise ValueError(
+            f"--metric_for_best_model {metric!r} is not a metric this script's evaluation reports: {sorted(reported)}."
+        )
+
+
+def perplexity_metrics(training_args: Any) -> set[str]:
+    """What the language-model scripts' evaluations report: the loss, and the perplexity where every evaluation is
+    the script's own (after training); the Trainer's evaluations during training report the loss only."""
+    return {"loss"} if evaluates_during_training(training_args) else {"loss", "perplexity"}

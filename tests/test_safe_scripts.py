@@ -280,6 +280,9 @@ EVAL = ["--do_eval", "--demo_validation_size", "4"]
         ("seq2seq", [LEARNED_POSITIONS[0], LEARNED_POSITIONS[1] + "40"], "longest source.*max_position_embeddings=40"),
         ("seq2seq", [LEARNED_POSITIONS[0], LEARNED_POSITIONS[1] + "32", "--max_source_length", "24"]
          + ["--max_target_length", "24", *EVAL], "Decoding the validation split up to max_length 75 needs 74"),
+        ("seq2seq", ["--metric_for_best_model", "bleu", "--prediction_loss_only", *EVAL], r"\['loss'\]"),
+        ("seq2seq", ["--dataloader_drop_last", "--demo_train_size", "4"], "train split holds 4 examples, fewer than"),
+        ("causal LM", ["--label_names", "target", *EVAL], r"--label_names \['target'\]: the scripts' batches hold"),
         ("causal LM", [LEARNED_POSITIONS[0], LEARNED_POSITIONS[1] + "24"], "--block_size 32 needs 32 positions"),
         ("causal LM", ["--block_size", "64", *EVAL[:1], "--demo_validation_size", "1"], "validation split has no"),
         ("causal LM", ["--metric_for_best_model", "perplexity", *EVAL, "--eval_strategy", "steps"]
@@ -290,6 +293,9 @@ EVAL = ["--do_eval", "--demo_validation_size", "4"]
         ("classifier", [LEARNED_POSITIONS[0], LEARNED_POSITIONS[1] + "8"], "The train split's longest text needs"),
         ("classifier", ["--metric_for_best_model", "bleu", *EVAL[:1]], "'bleu' is not a metric this script's"),
         ("classifier", ["--train_file", "{tmp}/one_class.jsonl"], r"holds the labels \['rivers'\]: a classifier"),
+        ("classifier", ["--prediction_loss_only", "--do_eval"], "--prediction_loss_only drops the predictions"),
+        ("masked LM", ["--dataloader_drop_last", *EVAL, "--per_device_eval_batch_size", "64"], "validation split hol"),
+        ("image classifier", ["--prediction_loss_only", "--do_eval"], "--prediction_loss_only drops the predictions"),
         ("image classifier", ["--rotation_degrees", "-5"], "--rotation_degrees must be 0 or more, got -5"),
         ("image classifier", ["--translate", "-0.1"], r"--translate must be in \[0, 1\], got -0.1"),
         ("image classifier", ["--scale_jitter", "-0.1"], r"--scale_jitter must be in \[0, 1\), got -0.1"),
@@ -303,10 +309,11 @@ def test_every_value_read_late_is_refused_before_the_folder_is_cleared(
     finished_run, tmp_path, script, arguments, message
 ):
     """Values the Trainer reads only at its first step, at evaluation or at saving (label smoothing, evaluation batch
-    size, decoding lengths, step intervals, the metric that chooses weights), the scripts' own (truncation lengths,
-    augmentation ranges, sample limits) and the model against the data (positions against the longest sequence,
-    block or decoded output; the image size against the processor's; a class count; a split left empty) are all
-    refused before --overwrite_output_dir removes anything: the previous run keeps every file."""
+    size, decoding lengths, step intervals, label names, the metric that chooses weights, predictions the evaluation
+    needs), the scripts' own (truncation lengths, augmentation ranges, sample limits) and the model against the data
+    (positions against the longest sequence, block or decoded output; the image size against the processor's; a
+    class count; a split that fills no batch) are all refused before --overwrite_output_dir removes anything: the
+    previous run keeps every file."""
     assert_refused_and_the_run_kept(finished_run[0], tmp_path, script, arguments, message)
 
 

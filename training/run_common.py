@@ -523,9 +523,15 @@ def check_argument_bounds(groups: tuple[Any, ...]) -> None:
             raise ValueError(f"--{argument.name} must be {bound}, got {value}{why}.")
 
 
-def check_step_counts(training_args: Any) -> None:
+def check_trainer_values(training_args: Any) -> None:
     """The Trainer's step counts where its strategy reads them (a count, or below 1 a share of the run): a run that
-    trains no step, or logs, saves or evaluates at a negative interval, is refused before it starts."""
+    trains no step, or logs, saves or evaluates at a negative interval, is refused before it starts. So is
+    --label_names naming other fields than the scripts' batches carry their targets in: evaluation would find none
+    and report no loss."""
+    if training_args.label_names not in (None, ["labels"]):
+        raise ValueError(
+            f"--label_names {training_args.label_names}: the scripts' batches hold their targets in labels."
+        )
     if training_args.max_steps <= 0 and not training_args.num_train_epochs > 0:
         raise ValueError(
             f"--num_train_epochs must be above 0 without --max_steps, got {training_args.num_train_epochs}: the run "
@@ -541,12 +547,13 @@ def parse_script_arguments(
     dataclass_types: tuple[type, ...], argv: list[str] | None, **new_model_fields: Any
 ) -> tuple[Any, ...]:
     """A training script's argument dataclasses (model, data, training) from `argv`, the command line by default,
-    with the processes configured and every argument checked that can be on its own (`ARGUMENT_BOUNDS`, the step
-    counts, the model arguments); then the logging set up and every random generator seeded with `--seed`."""
+    with the processes configured and every argument checked that can be on its own (`ARGUMENT_BOUNDS`,
+    `check_trainer_values`, the model arguments); then the logging set up and every random generator seeded with
+    `--seed`."""
     configure_processes()
     model_args, *other_args = HfArgumentParser(dataclass_types).parse_args_into_dataclasses(args=argv)
     check_argument_bounds((model_args, *other_args))
-    check_step_counts(other_args[-1])
+    check_trainer_values(other_args[-1])
     check_model_arguments(model_args, new_model_fields)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     transformers.utils.logging.set_verbosity_warning()
@@ -772,16 +779,32 @@ def check_text_positions(config: Any, splits: dict[str, Any]) -> None:
     check_positions(config, needs, "lower --max_seq_length or give the model more positions")
 
 
-def check_not_empty(splits: dict[str, Any], hint: str = "") -> None:
-    """A split left with no example once prepared would fail the Trainer at its first batch (evaluation: after
-    training); refused now, naming it."""
+def check_batches(splits: dict[str, Any], training_args: Any, hint: str = "") -> None:
+    """Every split fills a batch once prepared (with --dataloader_drop_last, a whole one on every process): with
+    none, the Trainer would train no step, or evaluate nothing after training; refused now, naming the split."""
+    by_tokens = getattr(training_args, "max_tokens", None) is not None  # the seq2seq script's own training batches
     for name, split in splits.items():
         if len(split) == 0:
             raise ValueError(f"The {name} split has no example once prepared{hint}.")
+        if not training_args.dataloader_drop_last or (name == "train" and by_tokens):
+            continue
+        per_device = getattr(training_args, f"per_device_{'train' if name == 'train' else 'eval'}_batch_size")
+        if len(split) < per_device * training_args.world_size:
+            raise ValueError(
+                f"The {name} split holds {len(split)} examples, fewer than one batch of {per_device} per device on "
+                f"{training_args.world_size} process(es), which --dataloader_drop_last drops: it would yield none."
+            )
 
 
 def evaluates_during_training(training_args: Any) -> bool:
     return training_args.eval_strategy != "no" or training_args.eval_every_minutes is not None
+
+
+def check_predictions_kept(training_args: Any) -> None:
+    """The classifier scripts predict the validation set after training (accuracy, the confusion matrix):
+    --prediction_loss_only would leave them no predictions there."""
+    if training_args.do_eval and training_args.prediction_loss_only:
+        raise ValueError("--prediction_loss_only drops the predictions the classifier's evaluation scores: drop it.")
 
 
 def check_metric_for_best_model(training_args: Any, reported: set[str]) -> None:

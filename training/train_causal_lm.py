@@ -23,8 +23,8 @@ from run_common import (
     ModelLossMixin,
     NoamArguments,
     NoamTrainerMixin,
+    check_batches,
     check_metric_for_best_model,
-    check_not_empty,
     check_positions,
     load_local_files,
     new_model_config,
@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 desc=f"Packing {split} into blocks of {data_args.block_size}",
             )
         splits[split] = blocks.select(range(min(limit, len(blocks)))) if limit else blocks
-    check_not_empty(splits, f" (its texts hold fewer than --block_size {data_args.block_size} tokens)")
+    check_batches(splits, training_args, f" (its texts hold fewer than --block_size {data_args.block_size} tokens)")
     block = {f"--block_size {data_args.block_size}": data_args.block_size}
     check_positions(model.config, lambda: block, "lower --block_size or give the model more positions")
     check_metric_for_best_model(training_args, perplexity_metrics(training_args))

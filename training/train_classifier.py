@@ -23,8 +23,9 @@ from run_common import (
     ModelArguments,
     NoamArguments,
     TextDataArguments,
+    check_batches,
     check_metric_for_best_model,
-    check_not_empty,
+    check_predictions_kept,
     check_text_positions,
     load_text_data,
     new_model_config,
@@ -218,9 +219,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         if getattr(training_args, flag[2:]):
             part = required_split(data, split, flag)
             splits[split] = part.map(tokenize, batched=True, remove_columns=part.column_names)
-    check_not_empty(splits)
+    check_batches(splits, training_args)
     check_text_positions(model.config, splits)
     check_metric_for_best_model(training_args, CLASSIFICATION_METRICS)
+    check_predictions_kept(training_args)
 
     trainer = PaperTrainer(
         model=model,

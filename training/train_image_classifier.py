@@ -31,8 +31,9 @@ import torch
 from datasets import Array3D, ClassLabel, DatasetDict, Features, Value, load_dataset
 from demo_image_data import DIGITS_DATASET, digits_dataset
 from run_common import (
+    check_batches,
     check_metric_for_best_model,
-    check_not_empty,
+    check_predictions_kept,
     config_errors_named,
     parse_config_overrides,
     parse_script_arguments,
@@ -284,8 +285,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             if split not in data:
                 raise ValueError(f"{flag} needs a {split} split; the data has {list(data)}.")
             splits[split] = processed(split)
-    check_not_empty(splits)
+    check_batches(splits, training_args)
     check_metric_for_best_model(training_args, CLASSIFICATION_METRICS)
+    check_predictions_kept(training_args)
 
     trainer = ImageTrainer(
         model=model,

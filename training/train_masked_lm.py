@@ -18,8 +18,8 @@ from demo_text_data import unlabelled_text, word_tokenizer
 from run_common import (
     ModelArguments,
     TextDataArguments,
+    check_batches,
     check_metric_for_best_model,
-    check_not_empty,
     check_text_positions,
     load_text_data,
     new_model_config,
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             with training_args.main_process_first(desc=f"tokenizing {split}"):
                 data = required_split(raw, split, flag)
                 splits[split] = data.map(tokenize, batched=True, remove_columns=data.column_names)
-    check_not_empty(splits)
+    check_batches(splits, training_args)
     check_text_positions(model.config, splits)
     check_metric_for_best_model(training_args, perplexity_metrics(training_args))
 

@@ -38,8 +38,8 @@ from run_common import (
     ModelLossMixin,
     NoamArguments,
     NoamTrainerMixin,
+    check_batches,
     check_metric_for_best_model,
-    check_not_empty,
     check_positions,
     load_local_files,
     longest,
@@ -271,7 +271,8 @@ def check_model_against_the_data(training_args, model, splits: dict, flattened: 
         "lower --max_source_length/--max_target_length (or --max_new_tokens_over_source, --generation_max_length), "
         "or give the model more positions",
     )
-    reported = {"loss"} | (TRANSLATION_METRICS if training_args.predict_with_generate else set())
+    decodes = training_args.predict_with_generate and not training_args.prediction_loss_only
+    reported = {"loss"} | (TRANSLATION_METRICS if decodes else set())
     check_metric_for_best_model(training_args, reported)
 
 
@@ -352,7 +353,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             "--num_sequences fixes the sequence slots of flattened batches; this model trains on padded ones on "
             f"{device} (bf16/fp16: {half_precision}): drop it."
         )
-    check_not_empty(splits)
+    check_batches(splits, training_args)
     check_model_against_the_data(training_args, model, splits, flattened)
     sampler = token_budget_sampler(training_args, splits["train"], flattened) if "train" in splits else None
     train_collator = seq2seq_training_collator(

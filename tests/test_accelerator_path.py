@@ -199,6 +199,22 @@ def test_training_step_makes_at_most_one_host_sync(head: str, moe: bool) -> None
     )
 
 
+@pytest.mark.parametrize("head", HEADS)
+def test_expert_capacity_adds_no_host_sync(head: str) -> None:
+    """With `expert_capacity_factor` (each expert serves a fixed number of slots, the rest of its tokens dropped) a
+    MoE training step of every head makes no host-device sync: the slots have fixed shapes and the dropped count
+    stays on the device until `dropped_token_counts` is asked."""
+    with mock.patch.dict(MOE, expert_capacity_factor=0.5):  # half the room the routed tokens need: some are dropped
+        model, inputs = training_case(head, moe=True)
+    model.train()
+    model(**inputs).loss.backward()
+    counter = SyncCounter()
+    with counter:
+        model(**inputs).loss.backward()
+    assert counter.total_syncs == 0, f"{head} with expert capacity made host syncs: {dict(counter.syncs)}"
+    assert sum(modeling.dropped_token_counts(model).values()) > 0  # the capacity path did run and drop
+
+
 def counting_decoding_steps(model: torch.nn.Module) -> dict[str, Any]:
     """Wraps `model.forward` for one `generate()`: the first call (the prefill) runs as is, every later call (one
     decoding step each) runs under one `SyncCounter`. transformers' loop around the forward (its stopping check)

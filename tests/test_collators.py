@@ -340,3 +340,26 @@ def test_a_batch_without_pairs_or_labels_is_refused_by_name(features, message):
     collator = DataCollatorForSeq2SeqWithFlattening(decoder_start_token_id=START, pad_token_id=PAD)
     with pytest.raises(ValueError, match=message):
         collator(features)
+
+
+@pytest.mark.parametrize(
+    "options", [{}, {"pad_to_multiple_of": 8}, {"row_length": 16}], ids=["plain", "static", "rows"]
+)
+@pytest.mark.parametrize(
+    ("features", "message"),
+    [
+        ([{"input_ids": [5, 6], "labels": [7]}, {"input_ids": [5], "labels": None}], "Feature 1's labels is None"),
+        ([{"input_ids": None, "labels": [7]}], "Feature 0's input_ids is None: expected the source token ids"),
+        ([{"input_ids": [5], "labels": [7]}, {"input_ids": [5], "labels": []}], "Feature 1's labels is empty"),
+        ([{"input_ids": [[5, 6, 7]], "labels": [7, 8]}], r"Feature 0's input_ids has shape \(1, 3\): expected"),
+        ([{"input_ids": [5, 6], "labels": [7.5]}], "Feature 0's labels holds torch.float32 values: expected"),
+        ([{"input_ids": ["five"], "labels": [7]}], "Feature 0's input_ids cannot be read as token ids"),
+    ],
+    ids=["labels-none", "input-ids-none", "labels-empty", "input-ids-2d", "float-labels", "strings"],
+)
+def test_a_bad_feature_is_refused_naming_the_feature_the_field_and_what_was_expected(options, features, message):
+    """Every layout, the plain one (which stacked 2-D ids silently) and the static ones (which failed in torch), names
+    the feature and the field that is None, empty, not one sequence, or not integers."""
+    collator = DataCollatorForSeq2SeqWithFlattening(decoder_start_token_id=START, pad_token_id=PAD, **options)
+    with pytest.raises(ValueError, match=message):
+        collator(features)

@@ -6,17 +6,18 @@ new head is its class and one entry here.
 from dataclasses import dataclass
 from typing import Literal
 
-# The checkpoints a head can load: the stacks its config runs, and an image encoder's (its encoder embeds patches,
-# where the text encoder has a token embedding: no text head can load it, nor it a text checkpoint).
-Layout = Literal["encoder-decoder", "decoder-only", "encoder-only", "image-encoder"]
+# The kinds of checkpoint a head can load: the stacks its config runs, and an image encoder (its encoder embeds
+# patches, where the text encoder has a token embedding: no text head can load it, nor it a text checkpoint).
+CheckpointKind = Literal["encoder-decoder", "decoder-only", "encoder-only", "image-encoder"]
 
 
 @dataclass(frozen=True)
 class HeadDeclaration:
     """module        the sibling module that defines the class
     auto_class    the transformers Auto class that loads it
-    layouts       the checkpoints whose weights it can load: a head on one stack takes the stack of a decoder-only or
-                  encoder-only checkpoint (a GPT-style classifier starts from a causal LM), never an encoder-decoder's
+    layouts       the kinds of checkpoint whose weights it can load: a head on one stack takes the stack of a
+                  decoder-only or encoder-only checkpoint (a GPT-style classifier starts from a causal LM), never an
+                  encoder-decoder's
     pipeline_tag  the Hub task of its model card: one transformers 5 has a pipeline for, or None
     summary       what it is, in the model card
     usage         the lines after loading that show what it is for, in the model card
@@ -24,14 +25,14 @@ class HeadDeclaration:
 
     module: str
     auto_class: str
-    layouts: tuple[Layout, ...]
+    layouts: tuple[CheckpointKind, ...]
     pipeline_tag: str | None
     summary: str
     usage: str
     preprocessor: tuple[str, str] = ("AutoTokenizer", "tokenizer")
 
 
-SINGLE_STACK: tuple[Layout, ...] = ("decoder-only", "encoder-only")
+SINGLE_STACK: tuple[CheckpointKind, ...] = ("decoder-only", "encoder-only")
 
 HEADS: dict[str, HeadDeclaration] = {
     "VanillaTransformerModel": HeadDeclaration(
@@ -117,9 +118,9 @@ HEADS: dict[str, HeadDeclaration] = {
 }
 
 
-def layout_of(config, model_class: str | None = None) -> Layout:
-    """The checkpoint layout of a model of class `model_class` (by name) on `config`: an image model's own, else the
-    stacks the config runs (see `VanillaTransformerConfig.stacks`)."""
+def checkpoint_kind(config, model_class: str | None = None) -> CheckpointKind:
+    """The kind of checkpoint a model of class `model_class` (by name) on `config` saves: an image model's own, else
+    the stacks the config runs (see `VanillaTransformerConfig.stacks`)."""
     declared = HEADS.get(model_class)
     if declared is not None and declared.layouts == ("image-encoder",):
         return "image-encoder"
@@ -130,8 +131,8 @@ def layout_of(config, model_class: str | None = None) -> Layout:
 
 def loaders(config, model_class: str | None = None) -> dict[str, HeadDeclaration]:
     """The declared classes that can load a checkpoint saved by a model of class `model_class` on `config`."""
-    layout = layout_of(config, model_class)
-    return {name: head for name, head in HEADS.items() if layout in head.layouts}
+    kind = checkpoint_kind(config, model_class)
+    return {name: head for name, head in HEADS.items() if kind in head.layouts}
 
 
 def auto_map(config, model_class: str | None = None) -> dict[str, str]:
@@ -144,4 +145,4 @@ def auto_map(config, model_class: str | None = None) -> dict[str, str]:
     }
 
 
-__all__ = ["HEADS", "HeadDeclaration", "auto_map", "layout_of", "loaders"]
+__all__ = ["HEADS", "CheckpointKind", "HeadDeclaration", "auto_map", "checkpoint_kind", "loaders"]

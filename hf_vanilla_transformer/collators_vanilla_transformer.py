@@ -110,10 +110,8 @@ class DataCollatorForSeq2SeqWithFlattening:
 
     def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
         check_features(features)
-        sources = [torch.as_tensor(feature["input_ids"], dtype=torch.long) for feature in features]
-        labels = [torch.as_tensor(feature["labels"], dtype=torch.long) for feature in features]
-        if any(len(sequence) == 0 for sequence in sources + labels):
-            raise ValueError("Every feature needs at least one input id and one label.")
+        sources = [token_sequence(feature, index, "input_ids") for index, feature in enumerate(features)]
+        labels = [token_sequence(feature, index, "labels") for index, feature in enumerate(features)]
         decoder_inputs = [self.shift(sequence) for sequence in labels]
         equal_lengths = len({len(sequence) for sequence in sources}) == len({len(sequence) for sequence in labels}) == 1
         if equal_lengths and not self.static_shapes:
@@ -230,6 +228,29 @@ def check_features(features: list[dict[str, Any]]) -> None:
                 f"Feature {index} has no {' and no '.join(missing)} (it has {sorted(feature)}): every feature needs "
                 "input_ids (the source token ids) and labels (the target token ids)."
             )
+
+
+FIELDS = {"input_ids": "the source token ids", "labels": "the target token ids"}
+
+
+def token_sequence(feature: dict[str, Any], index: int, name: str) -> torch.Tensor:
+    """A feature's `input_ids` or `labels` as a 1-D long tensor; anything else is a ValueError naming the feature,
+    the field and what it should hold, before torch fails on it (or, for a 2-D list, stacks it silently)."""
+    expected = f"expected {FIELDS[name]}, a non-empty list or 1-D tensor of integers"
+    value = feature[name]
+    if value is None:
+        raise ValueError(f"Feature {index}'s {name} is None: {expected}.")
+    try:
+        sequence = torch.as_tensor(value)
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise ValueError(f"Feature {index}'s {name} cannot be read as token ids ({error}): {expected}.") from None
+    if sequence.dim() != 1:
+        raise ValueError(f"Feature {index}'s {name} has shape {tuple(sequence.shape)}: {expected}.")
+    if len(sequence) == 0:
+        raise ValueError(f"Feature {index}'s {name} is empty: {expected}.")
+    if sequence.is_floating_point() or sequence.is_complex() or sequence.dtype == torch.bool:
+        raise ValueError(f"Feature {index}'s {name} holds {sequence.dtype} values: {expected}.")
+    return sequence.long()
 
 
 def first_set(*values):

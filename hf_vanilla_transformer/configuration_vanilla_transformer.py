@@ -81,6 +81,165 @@ class VanillaTransformerConfig(PreTrainedConfig):
     (the encoder's for an encoder-decoder, as in BART; `get_text_config(decoder=True)` gives the decoder's, which is
     what transformers' caches read).
 
+    Fields inherited from `PreTrainedConfig` (label maps, `problem_type`, `dtype`, `output_attentions`, ...) are
+    documented there; they are checked here too. Every field below is checked when set (type and range) or by
+    `validate_architecture` (the rules between fields) unless its entry says which model checks it.
+
+    Args:
+        vocab_size (`int`, *optional*, defaults to `37000`):
+            Tokens in the vocabulary: the rows of the token embeddings and the outputs of the language-model heads
+            (the paper's shared BPE vocabulary of about 37000 tokens). An int >= 1; every special token id must lie
+            in [0, vocab_size). An image classifier has none (`image_classification_config` sets 1).
+        d_model (`int`, *optional*, defaults to `512`):
+            Width of the embeddings and of every sub-layer's input and output (paper Table 3: 512 base, 1024 big).
+            An int >= 1, divisible by the attention heads of each stack the model runs; with RoPE the head size
+            d_model / heads must be even.
+        encoder_layers (`int`, *optional*, defaults to `6`):
+            Layers of the encoder (N). An int >= 0: an encoder without layers only embeds its input. Unused where
+            the encoder does not run (decoder-only).
+        decoder_layers (`int`, *optional*, defaults to `6`):
+            Layers of the decoder. An int >= 0, and >= 1 wherever the decoder runs (encoder-decoder, decoder-only):
+            transformers' KV cache counts the decoded length in its layers.
+        encoder_attention_heads (`int`, *optional*, defaults to `8`):
+            Attention heads of each encoder layer (h). An int >= 1 that divides d_model where the encoder runs.
+        decoder_attention_heads (`int`, *optional*, defaults to `8`):
+            Attention heads of each decoder layer, self- and cross-attention. An int >= 1 that divides d_model where
+            the decoder runs.
+        num_key_value_heads (`int`, *optional*, defaults to `None`):
+            Key/value heads of every attention, encoder and decoder (grouped-query attention, Ainslie et al. 2023;
+            1 is multi-query attention). None: one per query head, the paper's multi-head attention. Else an int
+            >= 1 that divides the query heads of each stack the model runs. Saved as given; read, it is filled in
+            for the stack that the generic size names describe, as transformers' caches expect.
+        encoder_ffn_dim (`int`, *optional*, defaults to `2048`):
+            Inner size of the encoder's position-wise FFN (d_ff; paper: 2048 base, 4096 big) and of each of its
+            experts. An int >= 1; the gated types derive their hidden size from it (`gated_ffn_dim`).
+        decoder_ffn_dim (`int`, *optional*, defaults to `2048`):
+            The same for the decoder. An int >= 1.
+        max_position_embeddings (`int`, *optional*, defaults to `1024`):
+            Rows of the learned position table (`position_embedding_type="learned"`): the longest input such a model
+            reads; a position past it fails (a ValueError on the CPU, a device-side assert on an accelerator). An int
+            >= 1. The other position types have no limit and ignore it.
+        dropout (`float`, *optional*, defaults to `0.1`):
+            Residual dropout (P_drop, §5.4): on each sub-layer's output before the residual sum, and on the
+            embeddings with their positions. A probability in [0, 1).
+        attention_dropout (`float`, *optional*, defaults to `0.0`):
+            Dropout on the attention weights. A probability in [0, 1). On a GPU it keeps training on padded batches
+            unless flash-attn is installed (`preferred_layout`).
+        activation_dropout (`float`, *optional*, defaults to `0.0`):
+            Dropout after the FFN's activation, in every FFN and expert. A probability in [0, 1).
+        classifier_dropout (`float`, *optional*, defaults to `0.0`):
+            Dropout on the states the sequence, token and image classifiers read, before their output layer. A
+            probability in [0, 1).
+        norm_type (`str`, *optional*, defaults to `"layernorm"`):
+            Every norm's kind: `"layernorm"` (the paper's, Ba et al. 2016) or `"rmsnorm"` (`torch.nn.RMSNorm`, Zhang
+            & Sennrich 2019).
+        norm_position (`str`, *optional*, defaults to `"post"`):
+            Where each sub-layer F's norm sits: `"post"` LN(x + F(x)), the paper's; `"pre"` x + F(LN(x)), with a
+            final norm after the stack (Xiong et al. 2020); `"sandwich"` x + LN(F(LN(x))), with the final norm too
+            (Ding et al. 2021); `"deepnorm"` LN(alpha x + F(x)) with DeepNet's beta-scaled init, alpha and beta from
+            the depths (Wang et al. 2022).
+        norm_eps (`float`, *optional*, defaults to `1e-05`):
+            The epsilon of every norm. Finite and > 0.
+        norm_bias (`bool`, *optional*, defaults to `True`):
+            Whether LayerNorm has a bias. RMSNorm has none either way.
+        ffn_type (`str`, *optional*, defaults to `"relu"`):
+            The FFN: two linear maps (`fc1`, `fc2`) with `"relu"` (the paper's), `"gelu"` or `"swish"` between them;
+            or a gated linear unit of three (`gate_proj`, `up_proj`, `down_proj`; Shazeer 2020), act(gate) * up with
+            act sigmoid (`"glu"`), none (`"bilinear"`), ReLU (`"reglu"`), GELU (`"geglu"`) or SiLU (`"swiglu"`).
+        gated_ffn_dim (`int`, *optional*, defaults to `None`):
+            Hidden size of a gated FFN. None: 2/3 of the stack's ffn_dim rounded up to `ffn_multiple_of`, which keeps
+            the ungated FFN's parameter count. Else an int >= 1. The ungated types ignore it.
+        ffn_multiple_of (`int`, *optional*, defaults to `8`):
+            The multiple that a gated FFN's derived hidden size is rounded up to. An int >= 1.
+        use_bias (`bool`, *optional*, defaults to `True`):
+            Biases in the attention projections and the FFN linears (the paper's; T5 and Llama have none).
+        lm_head_bias (`bool`, *optional*, defaults to `False`):
+            A bias on the output projection of the language-model heads (Marian's `final_logits_bias`).
+        position_embedding_type (`str`, *optional*, defaults to `"sinusoidal"`):
+            `"sinusoidal"`: fixed sines and cosines added to the embeddings (§3.5); `"learned"`: a trained table of
+            `max_position_embeddings` rows (BERT, GPT-2, ViT); `"rope"`: rotary positions applied to the queries and
+            keys of every attention (Su et al. 2021); `"none"`: no positions.
+        sinusoidal_layout (`str`, *optional*, defaults to `"interleaved"`):
+            The order of a sinusoidal encoding's dimensions: `"interleaved"` sin, cos, sin, cos, ... (§3.5), or
+            `"concatenated"` all sines then all cosines (Marian, tensor2tensor). Sinusoidal positions only.
+        rope_theta (`float`, *optional*, defaults to `10000.0`):
+            The base of the rotary wavelengths 2pi theta^(2i/d). Finite and >= 1 (below 1 the wavelengths would
+            shrink with i). RoPE only.
+        scale_embedding (`bool`, *optional*, defaults to `True`):
+            Multiply the token embeddings by sqrt(d_model) (§3.4).
+        share_encoder_decoder_embeddings (`bool`, *optional*, defaults to `True`):
+            One token embedding for source and target (§3.4; a shared vocabulary). Encoder-decoder only.
+        tie_word_embeddings (`bool`, *optional*, defaults to `True`):
+            The output projection is the target token embedding (§3.4).
+        num_experts (`int`, *optional*, defaults to `0`):
+            Experts of each Mixture-of-Experts FFN. An int >= 0; 0 keeps every FFN dense.
+        num_experts_per_tok (`int`, *optional*, defaults to `2`):
+            The experts each token is routed to (top-k). An int >= 1, at most num_experts where there are experts.
+        moe_stacks (`str`, *optional*, defaults to `"both"`):
+            The stacks with Mixture-of-Experts layers: `"encoder"`, `"decoder"` or `"both"`.
+        moe_layer_frequency (`int`, *optional*, defaults to `1`):
+            Every k-th layer of such a stack is sparse (layers k, 2k, ... counting from 1), the others dense. An int
+            >= 1.
+        num_shared_experts (`int`, *optional*, defaults to `0`):
+            Experts that every token passes through with weight 1, beside the routed ones (DeepSeekMoE, Dai et al.
+            2024). An int >= 0.
+        norm_topk_prob (`bool`, *optional*, defaults to `True`):
+            Renormalise a token's k routing weights to sum to 1 (Mixtral); else they are its softmax probabilities
+            over all experts.
+        router_jitter_noise (`float`, *optional*, defaults to `0.0`):
+            In training, the router's input is multiplied by noise drawn from U(1 - noise, 1 + noise) (Switch
+            Transformer §2.4); the experts read the clean states. In [0, 1), so that the factor stays positive.
+        router_aux_loss_coef (`float`, *optional*, defaults to `0.01`):
+            Weight of the load-balancing loss (Switch Transformer) in the training loss. Finite and >= 0.
+        router_z_loss_coef (`float`, *optional*, defaults to `0.001`):
+            Weight of the router z-loss (ST-MoE) in the training loss. Finite and >= 0.
+        expert_capacity_factor (`float`, *optional*, defaults to `None`):
+            None: dropless, every routed assignment is served. Else a finite c > 0: each expert serves at most
+            ceil(c * tokens * k / num_experts) assignments per layer and batch, first choices first (GShard, Switch
+            Transformer); a token left with no expert keeps only its residual.
+        output_router_logits (`bool`, *optional*, defaults to `False`):
+            Return the router logits and losses from every forward, not only when labels are given (a forward's own
+            `output_router_logits` argument wins).
+        classifier_pooling (`str`, *optional*, defaults to `"mean"`):
+            How the sequence and image classifiers pool the encoder's outputs: `"mean"` over the real tokens, or
+            `"first"`, the first token's (an image's learned [class] token, as ViT). A classifier on a causal decoder
+            reads the last real token either way.
+        initialization (`str`, *optional*, defaults to `"normal"`):
+            Weight init (the paper fixes none): `"normal"`, N(0, initializer_range) for linears and embeddings
+            (BERT, GPT-2, Marian, Llama); `"xavier"`, Xavier-uniform linears and N(0, 1/d_model) embeddings (torch's
+            nn.Transformer, fairseq). DeepNorm keeps its scaled Xavier init and the router N(0, initializer_range)
+            either way. Which to choose: docs/benchmarks.md, "Initialization".
+        initializer_range (`float`, *optional*, defaults to `0.02`):
+            The standard deviation of the normal init. In [0, 1].
+        use_cache (`bool`, *optional*, defaults to `True`):
+            Whether decoding keeps the past tokens' keys and values (a KV cache). A forward with labels builds none.
+        is_encoder_decoder (`bool`, *optional*, defaults to `True`):
+            Run both stacks, the paper's encoder-decoder. Without it, `is_decoder` chooses the one stack.
+        is_decoder (`bool`, *optional*, defaults to `False`):
+            Without `is_encoder_decoder`: True runs a causal decoder-only model (GPT-style, no cross-attention),
+            False an encoder-only one (BERT-style).
+        pad_token_id (`int`, *optional*, defaults to `0`):
+            The padding token. None, or an id in [0, vocab_size).
+        bos_token_id (`int`, *optional*, defaults to `1`):
+            The beginning-of-sequence token. None, or an id in [0, vocab_size).
+        eos_token_id (`int` or `list[int]`, *optional*, defaults to `2`):
+            The end-of-sequence token(s) that stop generation. None, an id in [0, vocab_size), or a non-empty list
+            of such ids.
+        decoder_start_token_id (`int`, *optional*, defaults to `1`):
+            The decoder's first input in an encoder-decoder: the labels are shifted right behind it. None, or an id
+            in [0, vocab_size).
+        forced_eos_token_id (`int` or `list[int]`, *optional*, defaults to `None`):
+            The token(s) that generation forces as the last one when it reaches its maximum length. None, an id in
+            [0, vocab_size), or a non-empty list of such ids.
+        image_size (`int` or `tuple[int, int]`, *optional*, defaults to `224`):
+            Pixels of an image classifier's input images: one int for square ones, or (height, width); each side an
+            int > 0. Checked by the image classifier when it is built; text models ignore it.
+        patch_size (`int` or `tuple[int, int]`, *optional*, defaults to `16`):
+            The patches an image is cut into, the encoder's tokens: one int for square ones, or (height, width);
+            each side an int > 0 and no larger than the image's. Checked by the image classifier.
+        num_channels (`int`, *optional*, defaults to `3`):
+            Channels of an image. An int >= 1, checked by the image classifier.
+
     Example:
 
     ```python

@@ -6,12 +6,11 @@ rotary positions (Su et al. 2021), plus grouped K/V heads (Ainslie et al. 2023).
 names change.
 """
 
-import re
-
 import torch
 from transformers import LlamaForCausalLM
 
 from .configuration_vanilla_transformer import VanillaTransformerConfig
+from .conversion_vanilla_transformer import renamed_state_dict
 from .language_modeling_vanilla_transformer import VanillaTransformerForCausalLM
 
 # Llama's `hidden_act` (applied to gate_proj) -> our gated ffn_type with the same gate activation.
@@ -83,12 +82,6 @@ def llama_config_to_vanilla_transformer(config) -> VanillaTransformerConfig:
     )
 
 
-def _rename(name: str) -> str:
-    for pattern, replacement in PARAMETER_RENAMES:
-        name = re.sub(pattern, replacement, name)
-    return name
-
-
 @torch.no_grad()
 def convert_llama_to_vanilla_transformer(model: LlamaForCausalLM) -> VanillaTransformerForCausalLM:
     """A `VanillaTransformerForCausalLM` with `model`'s weights, in its dtype and on its device, that computes the same
@@ -101,8 +94,7 @@ def convert_llama_to_vanilla_transformer(model: LlamaForCausalLM) -> VanillaTran
     """
     config = llama_config_to_vanilla_transformer(model.config)
     converted = VanillaTransformerForCausalLM(config).to(device=model.device, dtype=model.dtype)
-    state_dict = {_rename(name): tensor for name, tensor in model.state_dict().items()}
-    converted.load_state_dict(state_dict, strict=True)
+    converted.load_state_dict(renamed_state_dict(model.state_dict(), PARAMETER_RENAMES), strict=True)
     return converted.train(model.training)
 
 

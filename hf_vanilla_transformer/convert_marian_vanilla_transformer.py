@@ -24,74 +24,77 @@ from transformers import MarianMTModel, MarianTokenizer
 from transformers.utils import logging
 
 from .configuration_vanilla_transformer import VanillaTransformerConfig
+from .conversion_vanilla_transformer import rename_parameter
 from .language_modeling_vanilla_transformer import VanillaTransformerForConditionalGeneration
 
 logger = logging.get_logger(__name__)
 
-# Marian `activation_function` -> our `ffn_type` (ACT2FN's "swish" and "silu" are the same function).
-MARIAN_FFN_TYPES = {"relu": "relu", "gelu": "gelu", "swish": "swish", "silu": "swish"}
+# Marian's `activation_function` -> our `ffn_type` (ACT2FN's "swish" and "silu" are the same function).
+FFN_FOR_ACTIVATION = {"relu": "relu", "gelu": "gelu", "swish": "swish", "silu": "swish"}
 
-# Marian parameter name -> ours: the layer norms belong to the residual connection they close (post-LN, §3.1),
-# the FFN linears live in `mlp`. Marian's sinusoid tables are recomputed, not stored.
-RENAMES = [
+# Marian parameter name -> ours (regex, replacement): the layer norms belong to the residual connection they close
+# (post-LN, §3.1), the FFN linears live in `mlp`. Marian's sinusoid tables are recomputed, not stored.
+PARAMETER_RENAMES = [
     (r"\.self_attn_layer_norm\.", ".self_attn_connection.norm."),
     (r"\.encoder_attn_layer_norm\.", ".encoder_attn_connection.norm."),
     (r"\.final_layer_norm\.", ".mlp_connection.norm."),
     (r"\.(fc1|fc2)\.", r".mlp.\1."),
 ]
-SKIPPED = re.compile(r"\.embed_positions\.")
+SKIPPED_PARAMETERS = re.compile(r"\.embed_positions\.")
 
 TOKENIZER_FILES = (*MarianTokenizer.vocab_files_names.values(), "special_tokens_map.json", "tokenizer.json")
 
 
-def vanilla_config_from_marian(marian: MarianMTModel) -> VanillaTransformerConfig:
-    """The config of the same network; raises `ValueError` for Marian options that have no equivalent here."""
-    marian_config = marian.config
-    if marian_config.decoder_vocab_size != marian_config.vocab_size:
+def marian_config_to_vanilla_transformer(
+    config, *, share_encoder_decoder_embeddings: bool, tie_word_embeddings: bool
+) -> VanillaTransformerConfig:
+    """The `VanillaTransformerConfig` of an encoder-decoder computing the same function as a Marian model of
+    `config`; raises `ValueError` for Marian options that have no equivalent here.
+
+    Which embeddings are one matrix is given, not read from `config`: transformers 5 ties Marian's embeddings
+    only when its `tie_word_embeddings` is set, so with it off even "shared" source and target embeddings are
+    separate matrices, which `convert_marian_to_vanilla_transformer` compares."""
+    if config.decoder_vocab_size != config.vocab_size:
         raise ValueError(
-            f"decoder_vocab_size={marian_config.decoder_vocab_size} differs from vocab_size={marian_config.vocab_size}"
+            f"decoder_vocab_size={config.decoder_vocab_size} differs from vocab_size={config.vocab_size}"
             ": separate source and target vocabularies of different sizes are not supported."
         )
-    if marian_config.activation_function not in MARIAN_FFN_TYPES:
+    if config.activation_function not in FFN_FOR_ACTIVATION:
         raise ValueError(
-            f"activation_function={marian_config.activation_function!r} has no ffn_type equivalent; "
-            f"supported: {sorted(MARIAN_FFN_TYPES)}."
+            f"activation_function={config.activation_function!r} has no ffn_type equivalent; "
+            f"supported: {sorted(FFN_FOR_ACTIVATION)}."
         )
-    if marian_config.encoder_layerdrop or marian_config.decoder_layerdrop:
+    if config.encoder_layerdrop or config.decoder_layerdrop:
         logger.warning("LayerDrop only acts in training and is not carried over.")
-    source_embedding = marian.get_encoder().embed_tokens.weight
-    target_embedding = marian.get_decoder().embed_tokens.weight
     return VanillaTransformerConfig(
-        vocab_size=marian_config.vocab_size,
-        d_model=marian_config.d_model,
-        encoder_layers=marian_config.encoder_layers,
-        decoder_layers=marian_config.decoder_layers,
-        encoder_attention_heads=marian_config.encoder_attention_heads,
-        decoder_attention_heads=marian_config.decoder_attention_heads,
-        encoder_ffn_dim=marian_config.encoder_ffn_dim,
-        decoder_ffn_dim=marian_config.decoder_ffn_dim,
-        max_position_embeddings=marian_config.max_position_embeddings,
-        dropout=float(marian_config.dropout),
-        attention_dropout=float(marian_config.attention_dropout),
-        activation_dropout=float(marian_config.activation_dropout),
+        vocab_size=config.vocab_size,
+        d_model=config.d_model,
+        encoder_layers=config.encoder_layers,
+        decoder_layers=config.decoder_layers,
+        encoder_attention_heads=config.encoder_attention_heads,
+        decoder_attention_heads=config.decoder_attention_heads,
+        encoder_ffn_dim=config.encoder_ffn_dim,
+        decoder_ffn_dim=config.decoder_ffn_dim,
+        max_position_embeddings=config.max_position_embeddings,
+        dropout=float(config.dropout),
+        attention_dropout=float(config.attention_dropout),
+        activation_dropout=float(config.activation_dropout),
         # MarianMTModel always runs post-LN with nn.LayerNorm's default eps, whatever `normalize_before` says.
         norm_type="layernorm",
         norm_position="post",
         norm_eps=1e-5,
-        ffn_type=MARIAN_FFN_TYPES[marian_config.activation_function],
+        ffn_type=FFN_FOR_ACTIVATION[config.activation_function],
         position_embedding_type="sinusoidal",
         sinusoidal_layout="concatenated",
-        scale_embedding=marian_config.scale_embedding,
-        # transformers 5 ties Marian's embeddings only when tie_word_embeddings is set, so with it off even "shared"
-        # source and target embeddings are separate matrices: read what is shared from the weights themselves.
-        share_encoder_decoder_embeddings=torch.equal(source_embedding, target_embedding),
-        tie_word_embeddings=torch.equal(marian.lm_head.weight, target_embedding),
+        scale_embedding=config.scale_embedding,
+        share_encoder_decoder_embeddings=share_encoder_decoder_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
         lm_head_bias=True,
-        pad_token_id=marian_config.pad_token_id,
-        bos_token_id=marian_config.bos_token_id,
-        eos_token_id=marian_config.eos_token_id,
-        decoder_start_token_id=marian_config.decoder_start_token_id,
-        forced_eos_token_id=marian_config.forced_eos_token_id,
+        pad_token_id=config.pad_token_id,
+        bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_id,
+        decoder_start_token_id=config.decoder_start_token_id,
+        forced_eos_token_id=config.forced_eos_token_id,
     )
 
 
@@ -99,14 +102,12 @@ def rename_marian_weights(marian_state: dict[str, torch.Tensor]) -> dict[str, to
     """Marian's state dict under our parameter names."""
     state = {}
     for name, tensor in marian_state.items():
-        if SKIPPED.search(name):
+        if SKIPPED_PARAMETERS.search(name):
             continue
         if name == "final_logits_bias":
             state["lm_head.bias"] = tensor.reshape(-1)  # Marian keeps it as a (1, vocab) buffer
             continue
-        for pattern, replacement in RENAMES:
-            name = re.sub(pattern, replacement, name)
-        state[name] = tensor
+        state[rename_parameter(name, PARAMETER_RENAMES)] = tensor
     # Our `shared` is the target embedding. Marian's `shared` is absent without source/target sharing, and unused
     # (its decoder reads `decoder.embed_tokens`) when tie_word_embeddings=False unties it.
     state["model.shared.weight"] = state["model.decoder.embed_tokens.weight"]
@@ -116,7 +117,13 @@ def rename_marian_weights(marian_state: dict[str, torch.Tensor]) -> dict[str, to
 def convert_marian_to_vanilla_transformer(marian: MarianMTModel) -> VanillaTransformerForConditionalGeneration:
     """A `VanillaTransformerForConditionalGeneration` computing the same function as `marian`, with its
     generation settings (e.g. OPUS-MT's `bad_words_ids=[[pad]]`, `num_beams`, `max_length`)."""
-    config = vanilla_config_from_marian(marian)
+    # Which embeddings are one matrix, read from the weights (see `marian_config_to_vanilla_transformer`).
+    target_embedding = marian.get_decoder().embed_tokens.weight
+    config = marian_config_to_vanilla_transformer(
+        marian.config,
+        share_encoder_decoder_embeddings=torch.equal(marian.get_encoder().embed_tokens.weight, target_embedding),
+        tie_word_embeddings=torch.equal(marian.lm_head.weight, target_embedding),
+    )
     model = VanillaTransformerForConditionalGeneration(config).to(marian.dtype)
     state = rename_marian_weights(marian.state_dict())
     missing, unexpected = model.load_state_dict(state, strict=False)
@@ -147,7 +154,7 @@ def main(argv: list[str] | None = None) -> None:
     convert_marian_directory(args.src_dir, args.dst_dir)
 
 
-__all__ = ["convert_marian_to_vanilla_transformer", "convert_marian_directory"]
+__all__ = ["convert_marian_to_vanilla_transformer", "convert_marian_directory", "marian_config_to_vanilla_transformer"]
 
 if __name__ == "__main__":
     main()

@@ -9,7 +9,8 @@ import torch
 from transformers import LlamaConfig, MixtralForCausalLM
 
 from .configuration_vanilla_transformer import VanillaTransformerConfig
-from .convert_llama_vanilla_transformer import _rename, llama_config_to_vanilla_transformer
+from .conversion_vanilla_transformer import renamed_state_dict
+from .convert_llama_vanilla_transformer import PARAMETER_RENAMES, llama_config_to_vanilla_transformer
 from .language_modeling_vanilla_transformer import VanillaTransformerForCausalLM
 
 
@@ -69,7 +70,7 @@ def convert_mixtral_to_vanilla_transformer(model: MixtralForCausalLM) -> Vanilla
     """
     config = mixtral_config_to_vanilla_transformer(model.config)
     converted = VanillaTransformerForCausalLM(config).to(device=model.device, dtype=model.dtype)
-    converted.load_state_dict({_rename(name): tensor for name, tensor in model.state_dict().items()}, strict=True)
+    converted.load_state_dict(renamed_state_dict(model.state_dict(), PARAMETER_RENAMES), strict=True)
     return converted.train(model.training)
 
 

@@ -7,12 +7,11 @@ learned positions (`position_embedding_type="learned"`, one row per token); it c
 `google/vit-*` checkpoint then fine-tunes with this package, and with its variants from there.
 """
 
-import re
-
 import torch
 from transformers import ViTForImageClassification
 
 from .configuration_vanilla_transformer import VanillaTransformerConfig
+from .conversion_vanilla_transformer import renamed_state_dict
 from .image_classification_vanilla_transformer import (
     VanillaTransformerForImageClassification,
     image_classification_config,
@@ -77,12 +76,6 @@ def vit_config_to_vanilla_transformer(config) -> VanillaTransformerConfig:
     )
 
 
-def _rename(name: str) -> str:
-    for pattern, replacement in PARAMETER_RENAMES:
-        name = re.sub(pattern, replacement, name)
-    return name
-
-
 @torch.no_grad()
 def convert_vit_to_vanilla_transformer(model: ViTForImageClassification) -> VanillaTransformerForImageClassification:
     """A `VanillaTransformerForImageClassification` with `model`'s weights, in its dtype and on its device, that
@@ -95,7 +88,7 @@ def convert_vit_to_vanilla_transformer(model: ViTForImageClassification) -> Vani
     """
     config = vit_config_to_vanilla_transformer(model.config)
     converted = VanillaTransformerForImageClassification(config).to(device=model.device, dtype=model.dtype)
-    state_dict = {_rename(name): tensor for name, tensor in model.state_dict().items()}
+    state_dict = renamed_state_dict(model.state_dict(), PARAMETER_RENAMES)
     state_dict["model.embed_positions.weight"] = state_dict["model.embed_positions.weight"][0]  # (1, N, d) -> (N, d)
     converted.load_state_dict(state_dict, strict=True)
     return converted.train(model.training)

@@ -423,17 +423,45 @@ def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_fact
     return math.ceil(capacity_factor * num_tokens * top_k / num_experts)
 
 
-def within_capacity(top_k_index: torch.Tensor, num_experts: int, capacity: int) -> torch.Tensor:
-    """Which (token, choice) assignments an expert still has room for: (T, k) bool.
+def positions_in_experts(top_k_index: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Where each (token, choice) assignment queues at its expert, from 0: (T, k).
 
     Assignments are served first choices first, then second choices, each in token order (GShard §2.2), so a token
     loses its k-th expert before any other token loses its first.
     """
     top_k = top_k_index.shape[1]
     by_rank = top_k_index.t().reshape(-1)  # (k*T,): every first choice, then every second choice, ...
-    one_hot = F.one_hot(by_rank, num_experts)
-    position_in_expert = (one_hot.cumsum(dim=0) * one_hot).sum(dim=-1)  # 1-based
-    return (position_in_expert <= capacity).view(top_k, -1).t()
+    # A comparison, not F.one_hot, which reads the ids' range on the host to check it.
+    one_hot = (by_rank[:, None] == torch.arange(num_experts, device=by_rank.device)).long()
+    position_in_expert = (one_hot.cumsum(dim=0) * one_hot).sum(dim=-1) - 1
+    return position_in_expert.view(top_k, -1).t()
+
+
+def within_capacity(top_k_index: torch.Tensor, num_experts: int, capacity: int) -> torch.Tensor:
+    """Which (token, choice) assignments an expert still has room for: (T, k) bool, in the serving order of
+    `positions_in_experts`."""
+    return positions_in_experts(top_k_index, num_experts) < capacity
+
+
+def capacity_slots(
+    top_k_index: torch.Tensor, top_k_weights: torch.Tensor, capacity: int, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GShard's dispatch: each expert has `capacity` slots, filled by its kept assignments in serving order. Returns
+    each slot's token and routing weight ((E * capacity,): an empty slot holds token 0 with weight 0) and which
+    assignments were kept ((T, k) bool). Every shape is fixed by T, so nothing waits for the device."""
+    num_tokens, top_k = top_k_index.shape
+    position = positions_in_experts(top_k_index, num_experts)
+    keep = position < capacity
+    # A dropped assignment goes to a spare slot of its own past the experts' (unique indices: a deterministic
+    # scatter), which is cut off afterwards.
+    spare = num_experts * capacity + torch.arange(num_tokens * top_k, device=top_k_index.device).view_as(position)
+    slot = torch.where(keep, top_k_index * capacity + position, spare).reshape(-1)
+    token = torch.arange(num_tokens, device=top_k_index.device)[:, None].expand(-1, top_k).reshape(-1)
+    slots = num_experts * capacity + num_tokens * top_k
+    slot_token = token.new_zeros(slots).scatter(0, slot, token)[: num_experts * capacity]
+    weights = (top_k_weights * keep).reshape(-1)
+    slot_weight = weights.new_zeros(slots).scatter(0, slot, weights)[: num_experts * capacity]
+    return slot_token, slot_weight, keep
 
 
 def expert_activation(config: VanillaTransformerConfig) -> tuple[nn.Module, nn.Module]:
@@ -445,8 +473,8 @@ class VanillaTransformerSparseMoeBlock(nn.Module):
     """The FFN sub-layer as a Mixture of Experts: `gate` (router), `experts`, and optional `shared_experts`.
 
     Parameter names follow Mixtral (`mlp.gate.weight`, `mlp.experts.gate_up_proj`, `mlp.experts.down_proj`).
-    With `expert_capacity_factor` set,
-    `dropped_tokens` holds the number of (token, expert) assignments the last forward dropped for lack of room.
+    With `expert_capacity_factor` set, `dropped_tokens` holds the number of (token, expert) assignments the last
+    forward dropped for lack of room, as a tensor on the device (`dropped_token_counts` reads it on the host).
     """
 
     def __init__(self, config: VanillaTransformerConfig, ffn_dim: int):
@@ -481,14 +509,14 @@ class VanillaTransformerSparseMoeBlock(nn.Module):
     def _experts_within_capacity(
         self, tokens: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
-        """Run only the kept assignments, one row each, and sum them back per token; dropped ones contribute 0, so
-        a token that lost every expert keeps only its residual."""
+        """Run each expert on its `capacity` slots (`capacity_slots`) and sum the slots back per token; dropped
+        assignments and empty slots contribute 0, so a token that lost every expert keeps only its residual."""
         capacity = expert_capacity(tokens.shape[0], self.top_k, self.num_experts, self.capacity_factor)
-        keep = within_capacity(top_k_index, self.num_experts, capacity)
-        self.dropped_tokens = keep.numel() - int(keep.sum())
-        token, choice = keep.nonzero(as_tuple=True)
-        kept = self.experts(tokens[token], top_k_index[token, choice, None], top_k_weights[token, choice, None])
-        return torch.zeros_like(tokens).index_add_(0, token, kept)
+        slot_token, slot_weight, keep = capacity_slots(top_k_index, top_k_weights, capacity, self.num_experts)
+        self.dropped_tokens = keep.numel() - keep.sum()  # stays on the device: no training step waits for it
+        slot_expert = torch.arange(self.num_experts * capacity, device=tokens.device)[:, None] // capacity
+        kept = self.experts(tokens[slot_token], slot_expert, slot_weight[:, None])
+        return torch.zeros_like(tokens).index_add_(0, slot_token, kept)
 
 
 @torch.no_grad()
@@ -514,9 +542,10 @@ def init_moe_weights(module: nn.Module, config: VanillaTransformerConfig) -> Non
 
 
 def dropped_token_counts(model: nn.Module) -> dict[str, int]:
-    """Module name -> assignments dropped for lack of capacity in the last forward, for every MoE block."""
+    """Module name -> assignments dropped for lack of capacity in the last forward, for every MoE block: read on the
+    host here, when asked, not in the forward."""
     return {
-        name: module.dropped_tokens
+        name: int(module.dropped_tokens)
         for name, module in model.named_modules()
         if isinstance(module, VanillaTransformerSparseMoeBlock) and module.dropped_tokens is not None
     }

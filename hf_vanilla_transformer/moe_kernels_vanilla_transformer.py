@@ -8,7 +8,15 @@ modeling_vanilla_transformer.py); transformers looks the experts up by module (`
     EXPERTS_FUNCTIONS   the table our experts dispatch through: transformers', whose batched_mm first checks that
                         its per-row weight copies fit (`check_batched_mm_memory`)
 
-None of them synchronises host and device (DESIGN.md "hot path"): offsets come from `searchsorted`, limits from shapes.
+Which paths wait on the device (a host-device sync stops the host from queueing kernels ahead, the cost that bounds a
+small model's step on a GPU):
+- `gated_activation` and `sorted_grouped_mm` on torch's grouped_mm kernel: none; offsets come from `searchsorted`,
+  limits from shapes.
+- `sorted_grouped_mm` where torch's grouped_mm cannot run (the expert sizes `grouped_mm_takes` refuses, and under
+  torch.compile weights other than bfloat16): transformers' fallback kernel reads the offsets on the host, once per
+  projection in the forward and again in the backward.
+- the eager path, `VanillaTransformerExperts.forward` (`experts_implementation="eager"`): it reads the experts in use
+  (`.unique().tolist()`) and then each one's tokens (`torch.where`), one wait per expert.
 """
 
 import functools

@@ -5,7 +5,8 @@
     total       router_aux_loss_coef * balancing + router_z_loss_coef * z-loss, summed over the stacks
 
 A head asks the routers for their logits and losses (`RouterRequest`); the total joins the gradient of any loss built
-from the head's logits (`with_router_gradient`), and the reported loss as a value (`with_router_value`).
+from the head's logits (`with_router_gradient`), and the reported loss as a value (`with_router_value`) whose gradient
+scales it as that loss is scaled (fp16's loss scale, gradient accumulation).
 """
 
 from dataclasses import dataclass
@@ -63,18 +64,32 @@ def router_z_loss(router_logits: tuple[torch.Tensor, ...] | None, token_mask=Non
 
 
 class _RouterLossGradient(torch.autograd.Function):
-    """Identity on the logits whose backward also starts the router loss's backward, with gradient 1 (the trick of
-    Megatron-LM's MoEAuxLossAutoScaler)."""
+    """Identity on the logits whose backward also starts the router loss's backward (the trick of Megatron-LM's
+    MoEAuxLossAutoScaler), and a copy of the router loss's value for the reported loss.
+
+    The router loss's gradient is the one that copy receives: the reported loss's, so that the router loss is scaled
+    as the loss it joins is (fp16's loss scale under GradScaler, a division over accumulation steps). A loss built
+    from the logits alone leaves the copy without a gradient: the router loss then gets 1, as if added to it.
+    """
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, router_loss: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, logits: torch.Tensor, router_loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx.set_materialize_grads(False)  # an unused copy's gradient stays None instead of zeros
         ctx.save_for_backward(router_loss)
-        return logits.view_as(logits)
+        return logits.view_as(logits), router_loss.clone()
 
     @staticmethod
-    def backward(ctx, grad_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def backward(ctx, grad_logits: torch.Tensor | None, grad_copy: torch.Tensor | None) -> tuple:
         (router_loss,) = ctx.saved_tensors
-        return grad_logits, torch.ones_like(router_loss)
+        return grad_logits, torch.ones_like(router_loss) if grad_copy is None else grad_copy
+
+
+def router_loss_carriers(logits: torch.Tensor, router_loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the logits carrying `router_loss` into any gradient taken through them, the router loss's value to add to
+    the reported loss): see `_RouterLossGradient`. Without a gradient to take, the logits and a detached value."""
+    if not (torch.is_grad_enabled() and router_loss.requires_grad):
+        return logits, router_loss.detach()
+    return _RouterLossGradient.apply(logits, router_loss.to(logits.device))
 
 
 def attach_router_loss(logits: torch.Tensor, router_loss: torch.Tensor) -> torch.Tensor:
@@ -83,13 +98,12 @@ def attach_router_loss(logits: torch.Tensor, router_loss: torch.Tensor) -> torch
     Why not just `loss = cross_entropy + router_loss`: the Trainer with label smoothing (or a `compute_loss_func`)
     pops `labels`, calls the model without them and builds its own loss from `outputs.logits`; a router loss added to
     the model's loss would silently vanish (NLLB-MoE, Mixtral). Attached here, it reaches the router whatever loss
-    is built from the logits. The heads therefore add it to their reported `loss` only as a detached value, and a
-    user must NOT add `outputs.*_aux_loss` to their loss again (it would count twice).
-    Not rescaled by fp16 loss scaling (GradScaler); bf16 and fp32 training are unaffected.
+    is built from the logits. The heads add it to their reported `loss` as a value whose gradient is the router
+    loss's scale (`router_loss_carriers`): under fp16 loss scaling (GradScaler, the Trainer's fp16) the router loss is
+    scaled with the loss, so its gradient survives unscaling. A user must NOT add `outputs.*_aux_loss` to their loss
+    again (it would count twice). On its own, as here, the router loss's gradient is 1: unscaled.
     """
-    if not (torch.is_grad_enabled() and router_loss.requires_grad):
-        return logits
-    return _RouterLossGradient.apply(logits, router_loss.to(logits.device))
+    return router_loss_carriers(logits, router_loss)[0]
 
 
 @dataclass
@@ -100,6 +114,7 @@ class RouterLosses:
     aux: dict[str, torch.Tensor]
     z: dict[str, torch.Tensor]
     total: torch.Tensor
+    reported: torch.Tensor | None = None  # `total`'s value for the reported loss, set by `with_router_gradient`
 
     @classmethod
     def of_stacks(cls, config: VanillaTransformerConfig, **stacks: tuple) -> "RouterLosses":
@@ -140,13 +155,21 @@ class RouterRequest:
 
 
 def with_router_gradient(logits: torch.Tensor, router_losses: RouterLosses | None) -> torch.Tensor:
-    """The logits, carrying the router losses into the gradient of any loss built from them (`attach_router_loss`)."""
-    return logits if router_losses is None else attach_router_loss(logits, router_losses.total)
+    """The logits, carrying the router losses into the gradient of any loss built from them (`attach_router_loss`),
+    scaled as the reported loss is (`with_router_value`)."""
+    if router_losses is None:
+        return logits
+    logits, router_losses.reported = router_loss_carriers(logits, router_losses.total)
+    return logits
 
 
 def with_router_value(loss: torch.Tensor | None, router_losses: RouterLosses | None) -> torch.Tensor | None:
-    """The reported loss plus the router losses, as a value only: their gradient already flows through the logits."""
-    return loss if loss is None or router_losses is None else loss + router_losses.total.detach()
+    """The reported loss plus the router losses, as a value: their gradient flows through the logits, and the
+    gradient this loss receives sets its scale (`_RouterLossGradient`)."""
+    if loss is None or router_losses is None:
+        return loss
+    reported = router_losses.total.detach() if router_losses.reported is None else router_losses.reported
+    return loss + reported
 
 
 __all__ = [

@@ -141,9 +141,12 @@ def compare(case: Case, whole: torch.nn.Module, sharded: torch.nn.Module) -> dic
     result["logits"] = largest_difference(expected, actual)
     if case.head is not VanillaTransformerForMaskedLM and hasattr(whole, "generate") and whole.can_generate():
         prompts = generation_inputs(case, vocab_size)
+        # generate() returns a causal LM's prompt and an encoder-decoder's start token before the new tokens.
+        before_new = prompts["input_ids"].shape[1] if case.head is VanillaTransformerForCausalLM else 1
         for name, beams in (("greedy", 1), ("beam", 3)):
             expected, actual = whole.generate(**prompts, num_beams=beams), sharded.generate(**prompts, num_beams=beams)
             result[f"{name}_tokens_equal"] = torch.equal(expected, actual)
+            result[f"{name}_new_tokens"] = actual.shape[1] - before_new
     losses = [model.train()(**inputs).loss for model in (whole, sharded)]
     for loss in losses:
         loss.backward()

@@ -1,4 +1,4 @@
-"""The hot path is written for an accelerator (DESIGN.md): no host waits, few launches, one compiled graph.
+"""The hot path is written for an accelerator: no host waits, few launches, one compiled graph.
 
 A training step of a model this size is host-bound on a GPU: every host-device synchronization stops the CPU from
 queueing kernels ahead, and every aten op is one more launch. These tests define what the accelerator-ready forward
@@ -184,8 +184,9 @@ HEAD_GRID = [
 
 @pytest.mark.parametrize("head, moe", HEAD_GRID)
 def test_training_step_makes_at_most_one_host_sync(head: str, moe: bool) -> None:
-    """A padded training step (forward with labels, backward) makes at most one host-device sync: DESIGN.md's
-    budget. One warm-up step first, so one-off work (caches of rotary tables, lazy checks) is not counted."""
+    """A padded training step (forward with labels, backward) makes at most one host-device sync (each one stops the
+    host from queueing kernels ahead of the device). One warm-up step first, so one-off work (caches of rotary
+    tables, lazy checks) is not counted."""
     model, inputs = training_case(head, moe)
     model.train()
     model(**inputs).loss.backward()
@@ -196,6 +197,22 @@ def test_training_step_makes_at_most_one_host_sync(head: str, moe: bool) -> None
         f"{head} ({'MoE' if moe else 'dense'}) training step made {counter.total_syncs} host syncs, budget 1: "
         f"{dict(counter.syncs)}"
     )
+
+
+@pytest.mark.parametrize("head", HEADS)
+def test_expert_capacity_adds_no_host_sync(head: str) -> None:
+    """With `expert_capacity_factor` (each expert serves a fixed number of slots, the rest of its tokens dropped) a
+    MoE training step of every head makes no host-device sync: the slots have fixed shapes and the dropped count
+    stays on the device until `dropped_token_counts` is asked."""
+    with mock.patch.dict(MOE, expert_capacity_factor=0.5):  # half the room the routed tokens need: some are dropped
+        model, inputs = training_case(head, moe=True)
+    model.train()
+    model(**inputs).loss.backward()
+    counter = SyncCounter()
+    with counter:
+        model(**inputs).loss.backward()
+    assert counter.total_syncs == 0, f"{head} with expert capacity made host syncs: {dict(counter.syncs)}"
+    assert sum(modeling.dropped_token_counts(model).values()) > 0  # the capacity path did run and drop
 
 
 def counting_decoding_steps(model: torch.nn.Module) -> dict[str, Any]:
@@ -241,8 +258,8 @@ def generation_case(head: str) -> tuple[torch.nn.Module, torch.Tensor, torch.Ten
     "head, num_beams", [("seq2seq", 1), ("seq2seq", 2), ("causal_lm", 1)], ids=["seq2seq-greedy", "seq2seq-beam2", "lm"]
 )
 def test_decoding_step_makes_no_host_sync(head: str, num_beams: int) -> None:
-    """Each decoding step's model forward in `generate()` makes no host-device sync (DESIGN.md: none per decoding
-    step), on a padded batch of two prompts (left-padded for the causal LM)."""
+    """Each decoding step's model forward in `generate()` makes no host-device sync (a wait would stop the host
+    queueing kernels at every token), on a padded batch of two prompts (left-padded for the causal LM)."""
     model, input_ids, attention_mask = generation_case(head)
     model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=2, do_sample=False)  # warm-up
     state = counting_decoding_steps(model)
@@ -283,8 +300,8 @@ def test_left_padded_prompts_are_left_padded() -> None:
 )
 def test_bad_cpu_input_gets_a_clear_error(head_class, stacks: str, corrupt: str, message: str) -> None:
     """Removing the syncs must not remove the checks: on CPU tensors an out-of-vocabulary input id, an out-of-range
-    label and a mask holding 2 each raise a ValueError naming the problem (DESIGN.md: checks that need a sync run on
-    the CPU batch). Regression test: today's code passes it."""
+    label and a mask holding 2 each raise a ValueError naming the problem (a check that would need a sync runs on the
+    CPU batch, or on the device as an asynchronous assert). Regression test: today's code passes it."""
     torch.manual_seed(0)
     model = head_class(text_config(stacks, moe=False)).train()
     input_ids, attention_mask = padded_batch()
@@ -383,8 +400,8 @@ def test_flattened_step_where_the_varlen_kernel_runs_launches_no_more_kernels_th
 @pytest.mark.parametrize("head", ["seq2seq", "causal_lm"])
 def test_no_kv_cache_in_training(head: str) -> None:
     """With labels (training), no KV cache is built: `past_key_values` is None and no cache layer stores keys and
-    values (DESIGN.md; BART turns `use_cache` off when labels are given). Building one costs copies and ops that a
-    training step throws away."""
+    values (BART turns `use_cache` off when labels are given too). Building one costs copies and ops that a training
+    step throws away."""
     model, inputs = training_case(head, moe=False)
     model.train()
     original_update = DynamicLayer.update

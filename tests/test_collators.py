@@ -147,18 +147,21 @@ def test_the_cpu_trains_on_flattened_batches():
         assert preferred_layout(model, torch.device("cpu"), half_precision=True) == "flattened"
 
 
-@pytest.mark.parametrize("kernel_runs", [True, False])
+@pytest.mark.parametrize("implementation", ["sdpa", "eager", "flash_attention_2"])
+@pytest.mark.parametrize("attention_dropout", [0.0, 0.1])
 @pytest.mark.parametrize("half_precision", [True, False])
-def test_cuda_trains_flattened_only_where_a_varlen_kernel_runs(kernel_runs, half_precision):
-    model = translation_model(attention_dropout=0.0)
-    kernel = mock.Mock(return_value="torch" if kernel_runs else None)
-    with mock.patch.object(collators, "varlen_kernel", kernel):
-        layout = preferred_layout(model, "cuda:0", half_precision=half_precision)
+def test_cuda_trains_flattened_only_where_a_varlen_kernel_runs(implementation, attention_dropout, half_precision):
+    """A GPU takes flattened batches where a variable-length kernel runs their attention: transformers' flash
+    integration in any dtype; else torch's `varlen_attn` (half precision, no attention dropout, a torch that has it)
+    or flash-attn's (half precision, dropout too, where installed). Elsewhere the fallback would run it, which
+    launches more kernels than padded attention: padded batches."""
+    model = translation_model(attention_dropout=attention_dropout)
+    model.config._attn_implementation = implementation
+    torch_kernel = half_precision and not attention_dropout and packing.VARLEN_SIGNATURE is not None
+    flash_attn_kernel = half_precision and packing.FLASH_ATTN_INSTALLED
+    kernel_runs = implementation.startswith("flash_attention") or torch_kernel or flash_attn_kernel
+    layout = preferred_layout(model, "cuda:0", half_precision=half_precision)
     assert layout == ("flattened" if kernel_runs else "padded")
-    implementation, device, dtype, dropout = kernel.call_args.args  # what the model asks when it runs
-    assert implementation == model.config._attn_implementation
-    assert torch.device(device) == torch.device("cuda:0") and dropout == 0.0
-    assert dtype == (torch.bfloat16 if half_precision else torch.float32)
 
 
 def test_attention_dropout_keeps_cuda_on_padded_batches():
@@ -182,15 +185,18 @@ def word_tokenizer() -> PreTrainedTokenizerFast:
     )  # fmt: skip
 
 
-def test_the_training_collator_follows_the_layout_and_keeps_transformers_models_padded(caplog):
+def test_the_training_collator_follows_the_layout_and_keeps_transformers_models_padded():
+    """The collator of the chosen layout, with the run's options: on the CPU flattened batches of 9 sequence slots
+    filled up to a multiple of 16 tokens; transformers' models, and a GPU without a variable-length kernel (float32
+    SDPA), take padded batches, to a multiple of 8 tokens unless told otherwise."""
     model, tokenizer = translation_model(), word_tokenizer()
-    with caplog.at_level("INFO", logger=collators.__name__):
-        flattened = seq2seq_training_collator(
-            model, tokenizer, device="cpu", half_precision=False, pad_to_multiple_of=16, num_sequences=9
-        )
-    assert isinstance(flattened, DataCollatorForSeq2SeqWithFlattening)
-    assert (flattened.pad_to_multiple_of, flattened.num_sequences) == (16, 9)
-    assert "the flattened layout (on the CPU" in caplog.text
+    pairs = random_pairs((5, 3), (4, 6))
+    flattened = seq2seq_training_collator(
+        model, tokenizer, device="cpu", half_precision=False, pad_to_multiple_of=16, num_sequences=9
+    )
+    batch = flattened(pairs)
+    assert batch["input_ids"].shape == batch["labels"].shape == (1, 16)  # 8 source, 10 target tokens and padding
+    assert len(batch["cu_seq_lens_k"]) == len(batch["cu_seq_lens_q"]) == 9 + 1
 
     marian = MarianMTModel(
         MarianConfig(
@@ -199,13 +205,12 @@ def test_the_training_collator_follows_the_layout_and_keeps_transformers_models_
         )
     )  # fmt: skip
     assert preferred_layout(marian, "cpu", half_precision=False) == "padded"
-    with caplog.at_level("INFO", logger=collators.__name__):
-        padded = seq2seq_training_collator(marian, tokenizer, device="cpu", half_precision=False)
-    assert type(padded) is DataCollatorForSeq2Seq and padded.pad_to_multiple_of == 8
-    assert "the padded layout (a marian model" in caplog.text
-    with mock.patch.object(collators, "varlen_kernel", return_value=None):
-        padded = seq2seq_training_collator(model, tokenizer, device="cuda", half_precision=True, pad_to_multiple_of=64)
-    assert type(padded) is DataCollatorForSeq2Seq and padded.pad_to_multiple_of == 64
+    batch = seq2seq_training_collator(marian, tokenizer, device="cpu", half_precision=False)(pairs)
+    assert batch["input_ids"].shape == batch["labels"].shape == (2, 8) and "cu_seq_lens_k" not in batch
+    assert batch["attention_mask"].sum(1).tolist() == [5, 3] and (batch["labels"] == -100).sum(1).tolist() == [4, 2]
+    padded = seq2seq_training_collator(model, tokenizer, device="cuda", half_precision=False, pad_to_multiple_of=64)
+    batch = padded(pairs)
+    assert batch["input_ids"].shape == batch["labels"].shape == (2, 64) and "cu_seq_lens_k" not in batch
 
 
 # --- a compiled step over static batches ----------------------------------------------------------------------------
@@ -333,5 +338,28 @@ def test_packed_rows_of_many_batches_pair_no_target_with_an_empty_source():
 )
 def test_a_batch_without_pairs_or_labels_is_refused_by_name(features, message):
     collator = DataCollatorForSeq2SeqWithFlattening(decoder_start_token_id=START, pad_token_id=PAD)
+    with pytest.raises(ValueError, match=message):
+        collator(features)
+
+
+@pytest.mark.parametrize(
+    "options", [{}, {"pad_to_multiple_of": 8}, {"row_length": 16}], ids=["plain", "static", "rows"]
+)
+@pytest.mark.parametrize(
+    ("features", "message"),
+    [
+        ([{"input_ids": [5, 6], "labels": [7]}, {"input_ids": [5], "labels": None}], "Feature 1's labels is None"),
+        ([{"input_ids": None, "labels": [7]}], "Feature 0's input_ids is None: expected the source token ids"),
+        ([{"input_ids": [5], "labels": [7]}, {"input_ids": [5], "labels": []}], "Feature 1's labels is empty"),
+        ([{"input_ids": [[5, 6, 7]], "labels": [7, 8]}], r"Feature 0's input_ids has shape \(1, 3\): expected"),
+        ([{"input_ids": [5, 6], "labels": [7.5]}], "Feature 0's labels holds torch.float32 values: expected"),
+        ([{"input_ids": ["five"], "labels": [7]}], "Feature 0's input_ids cannot be read as token ids"),
+    ],
+    ids=["labels-none", "input-ids-none", "labels-empty", "input-ids-2d", "float-labels", "strings"],
+)
+def test_a_bad_feature_is_refused_naming_the_feature_the_field_and_what_was_expected(options, features, message):
+    """Every layout, the plain one (which stacked 2-D ids silently) and the static ones (which failed in torch), names
+    the feature and the field that is None, empty, not one sequence, or not integers."""
+    collator = DataCollatorForSeq2SeqWithFlattening(decoder_start_token_id=START, pad_token_id=PAD, **options)
     with pytest.raises(ValueError, match=message):
         collator(features)

@@ -160,3 +160,41 @@ def test_links_between_pages_resolve():
             if not linked.exists() or (anchor and linked.suffix == ".md" and anchor not in anchors(linked)):
                 broken.append(f"{page.relative_to(ROOT)}: {target}")
     assert not broken, broken
+
+
+def documented_config_fields() -> list[tuple[str, str, str]]:
+    """(name, stated default, description) of each entry of `VanillaTransformerConfig`'s `Args:` section, written as
+    transformers writes its configs' docstrings: `name (`type`, *optional*, defaults to `value`):`."""
+    from hf_vanilla_transformer import VanillaTransformerConfig
+
+    args = VanillaTransformerConfig.__doc__.split("\n    Args:\n", 1)[1].split("\n\n", 1)[0]
+    entries = re.split(r"^        (?=\w+ \()", args, flags=re.MULTILINE)[1:]
+    header = re.compile(r"(\w+) \(`[^`]+`(?: or `[^`]+`)?, \*optional\*, defaults to `([^`]+)`\):\n")
+    documented = []
+    for entry in entries:
+        match = header.match(entry)
+        assert match, f"an Args entry without its type and default: {entry.splitlines()[0]}"
+        documented.append((match[1], match[2], entry[match.end() :]))
+    return documented
+
+
+def test_the_config_docstring_documents_every_field_once_with_its_default_and_values():
+    """README and docs/architecture.md send readers there for every field: each of the config's own fields has one
+    entry, its default as the class has it, and, for a field of a few named values, each value."""
+    import ast
+    import dataclasses
+    import typing
+
+    from hf_vanilla_transformer import VanillaTransformerConfig
+
+    fields = {field.name: field for field in dataclasses.fields(VanillaTransformerConfig)}
+    own = list(VanillaTransformerConfig.__annotations__)
+    documented = documented_config_fields()
+    names = [name for name, _, _ in documented]
+    assert sorted(names) == sorted(own), (set(own) - set(names), set(names) - set(own))
+    assert len(set(names)) == len(names), "a field documented twice"
+    for name, default, description in documented:
+        assert ast.literal_eval(default) == fields[name].default, (name, default, fields[name].default)
+        if typing.get_origin(fields[name].type) is typing.Literal:
+            unnamed = [value for value in typing.get_args(fields[name].type) if f'"{value}"' not in description]
+            assert not unnamed, (name, unnamed)

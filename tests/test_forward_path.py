@@ -1,58 +1,16 @@
-"""How far one forward travels through the package, and what a decoding step costs the host: a training forward of
-the seq2seq head stays within a few files and functions, as transformers' own models do (their forward stays in one
-modeling file), and greedy decoding makes no more Python calls per token than HF Marian on the same weights."""
+"""What a decoding step costs the host: greedy decoding makes no more Python calls per token than HF Marian on the
+same weights (where the host is the bottleneck, a step's cost is its Python calls)."""
 
 import collections
-import os
 import sys
 
-import pytest
 import torch
-from conftest import tiny_config
 from transformers import MarianConfig, MarianMTModel
 
-import hf_vanilla_transformer
-from hf_vanilla_transformer import DataCollatorForSeq2SeqWithFlattening, VanillaTransformerForConditionalGeneration
 from hf_vanilla_transformer.convert_marian_vanilla_transformer import convert_marian_to_vanilla_transformer
 
-PACKAGE = os.path.dirname(os.path.realpath(hf_vanilla_transformer.__file__)) + os.sep
-COMPREHENSIONS = ("<genexpr>", "<listcomp>", "<dictcomp>", "<setcomp>", "<lambda>")
 
-
-def package_functions(run) -> tuple[set[tuple[str, str]], list[str]]:
-    """The package functions `run()` calls (comprehensions not counted), and the file of each call in order."""
-    calls = []
-
-    def profile(frame, event, arg):
-        code = frame.f_code
-        if event == "call" and code.co_filename.startswith(PACKAGE) and code.co_name not in COMPREHENSIONS:
-            calls.append((os.path.basename(code.co_filename), code.co_qualname))
-
-    sys.setprofile(profile)
-    try:
-        run()
-    finally:
-        sys.setprofile(None)
-    return set(calls), [file for file, _ in calls]
-
-
-def translation_batch(layout: str, model) -> dict:
-    pairs = [
-        {"input_ids": list(range(4, 4 + s)) + [2], "labels": list(range(5, 5 + t)) + [2]}
-        for s, t in zip([5, 9, 3, 7], [6, 4, 8, 5])
-    ]
-    if layout == "flattened":
-        return DataCollatorForSeq2SeqWithFlattening(model)(pairs)
-    # The same sentences padded, as transformers' DataCollatorForSeq2Seq(model=model) gives them.
-    longest_source, longest_target = max(len(p["input_ids"]) for p in pairs), max(len(p["labels"]) for p in pairs)
-    input_ids = torch.tensor([p["input_ids"] + [0] * (longest_source - len(p["input_ids"])) for p in pairs])
-    labels = torch.tensor([p["labels"] + [-100] * (longest_target - len(p["labels"])) for p in pairs])
-    return dict(input_ids=input_ids, attention_mask=(input_ids != 0).long(), labels=labels,
-                decoder_input_ids=model.prepare_decoder_input_ids_from_labels(labels),
-                decoder_attention_mask=(labels != -100).long())  # fmt: skip
-
-
-def python_calls_per_token(model, inputs: torch.Tensor, new_tokens: int) -> float:
+def python_calls_per_token(model, inputs: torch.Tensor, new_tokens: int) -> tuple[float, torch.Tensor]:
     counter = collections.Counter()
 
     def profile(frame, event, arg):

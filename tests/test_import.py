@@ -50,9 +50,11 @@ for top in hidden:
 
 # Modules the package needs only for converters: they must not load with the package.
 CONVERTER_ONLY_MODULES = [
+    "hf_vanilla_transformer.conversion_vanilla_transformer",
     "hf_vanilla_transformer.convert_llama_vanilla_transformer",
     "hf_vanilla_transformer.convert_marian_vanilla_transformer",
     "hf_vanilla_transformer.convert_mixtral_vanilla_transformer",
+    "hf_vanilla_transformer.convert_vit_vanilla_transformer",
     "hf_vanilla_transformer.ctranslate2_vanilla_transformer",
     "hf_vanilla_transformer.cpu_inference_vanilla_transformer",
     "ctranslate2",

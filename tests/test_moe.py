@@ -526,6 +526,74 @@ def test_router_gets_the_aux_loss_gradient_under_seq2seq_trainer_with_label_smoo
     assert max(g.abs().max() for g in grads.values()) < 1e-6
 
 
+# ------------------------------------------------------------------------------------- fp16 loss scaling
+
+FP16_LOSS_SCALE = 2.0**16  # GradScaler's initial scale, which the Trainer's fp16 starts from
+
+
+def router_step(model, scaler: torch.amp.GradScaler | None, backward) -> dict[str, torch.Tensor]:
+    """The router weights' gradients of one backward (`backward(loss_to_differentiate)`), unscaled by `scaler` when
+    it scaled the loss, as an optimizer step would see them."""
+    input_ids, attention_mask = padded_batch(batch=4, length=6)
+    batch = dict(input_ids=input_ids, attention_mask=attention_mask, labels=input_ids)
+    backward(batch)
+    if scaler is not None:
+        scaler.unscale_(torch.optim.SGD(model.parameters(), lr=0.0))
+    return {name: p.grad.clone() for name, p in model.named_parameters() if name.endswith("mlp.gate.weight")}
+
+
+def router_only_model():
+    """Top-1 with renormalisation (each token's weight p/p = 1): the translation loss cannot reach the routers, so
+    their whole gradient is the router losses' (weighted 1, so that a lost factor shows)."""
+    return seq2seq(num_experts_per_tok=1, norm_topk_prob=True, router_aux_loss_coef=1.0, router_z_loss_coef=0.1).train()
+
+
+@pytest.mark.parametrize("fp16_autocast", [False, True], ids=["float32", "float16-autocast"])
+def test_router_gets_the_same_gradient_under_fp16_loss_scaling(fp16_autocast):
+    """`torch.amp.GradScaler` in a user's loop multiplies the loss by 2^16 and divides the gradients by it: the router
+    losses, which reach the routers through the logits, are scaled with the loss, so after unscaling the routers get
+    the float32 gradient (under fp16 autocast too, up to its rounding) instead of 1/65536 of it."""
+    model = router_only_model()
+
+    def plain(batch):
+        model(**batch).loss.backward()
+
+    expected = router_step(model, None, plain)
+    model.zero_grad()
+    scaler = torch.amp.GradScaler("cpu", init_scale=FP16_LOSS_SCALE)
+
+    def scaled(batch):
+        with torch.autocast("cpu", dtype=torch.float16, enabled=fp16_autocast):
+            loss = model(**batch).loss
+        scaler.scale(loss).backward()
+
+    grads = router_step(model, scaler, scaled)
+    tolerance = dict(rtol=1e-3, atol=1e-4) if fp16_autocast else dict(rtol=1e-5, atol=1e-7)
+    for name, grad in grads.items():
+        assert expected[name].abs().max() > 1e-2
+        torch.testing.assert_close(grad, expected[name], **tolerance, msg=name)
+
+
+def test_router_gets_the_same_gradient_under_the_trainers_fp16():
+    """The Trainer's fp16 scales the loss with Accelerate's GradScaler (`accelerator.backward`); on a CPU Accelerate
+    runs fp16 without one, so the test gives it one. A training step's router gradients, unscaled, are the float32
+    step's."""
+    grads = {}
+    for scaler in (None, torch.amp.GradScaler("cpu", init_scale=FP16_LOSS_SCALE)):
+        model = router_only_model()
+        args = Seq2SeqTrainingArguments(output_dir="unused", use_cpu=True, report_to=[], fp16=scaler is not None)
+        trainer = Seq2SeqTrainer(model=model, args=args)
+        trainer.accelerator.scaler = scaler
+
+        def step(batch, trainer=trainer, model=model):  # what `training_step` does with a batch
+            trainer.accelerator.backward(trainer.compute_loss(model, batch))
+
+        grads[scaler is None] = router_step(model, scaler, step)
+    for name, expected in grads[True].items():
+        assert expected.abs().max() > 1e-2
+        torch.testing.assert_close(grads[False][name], expected, rtol=1e-5, atol=1e-7, msg=name)
+
+
 # ------------------------------------------------------------------------------------- training
 
 

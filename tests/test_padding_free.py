@@ -128,7 +128,7 @@ def test_collator_needs_the_special_tokens_and_non_empty_features():
     with pytest.raises(ValueError, match="decoder_start_token_id"):
         DataCollatorForSeq2SeqWithFlattening(pad_token_id=0)
     collator = DataCollatorForSeq2SeqWithFlattening(decoder_start_token_id=1, pad_token_id=0)
-    with pytest.raises(ValueError, match="at least one"):
+    with pytest.raises(ValueError, match="Feature 0's input_ids is empty"):  # the feature and the field
         collator([{"input_ids": [], "labels": [3]}, {"input_ids": [4], "labels": [5, 6]}])
 
 

@@ -8,6 +8,7 @@ set is scored. Tiny models, a few seconds each (the SIGKILL tests are in test_in
 
 import json
 import logging
+import math
 import os
 import shutil
 import subprocess
@@ -17,7 +18,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import AutoModelForSeq2SeqLM, MarianConfig, MarianMTModel, TrainerControl, TrainerState
+from transformers import (
+    AutoModelForSeq2SeqLM,
+    MarianConfig,
+    MarianMTModel,
+    TrainerControl,
+    TrainerState,
+    ViTImageProcessorPil,
+)
 
 TRAINING_DIR = Path(__file__).resolve().parents[1] / "training"
 sys.path.insert(0, str(TRAINING_DIR))
@@ -179,6 +187,15 @@ SCRIPTS = {  # each script, and the arguments of a short run of it on its demo d
 }
 
 
+@pytest.mark.parametrize("script", ["classifier", "image classifier", "causal LM", "masked LM"])
+def test_label_smoothing_trains_with_every_script(tmp_path, script):
+    """--label_smoothing_factor 0.1 trains every head the scripts train (seq2seq smooths by default): each head's
+    loss is smoothed with its own arguments (the classifiers' are not the language models')."""
+    module, run = SCRIPTS[script]
+    metrics = module.main([*run, "--label_smoothing_factor", "0.1", "--output_dir", str(tmp_path / "out")])
+    assert math.isfinite(metrics["train_loss"]) and metrics["train_loss"] > 0
+
+
 def folder_contents(folder: Path) -> dict[str, bytes]:
     return {str(path.relative_to(folder)): path.read_bytes() for path in folder.rglob("*") if path.is_file()}
 
@@ -192,7 +209,7 @@ def folder_contents(folder: Path) -> dict[str, bytes]:
         ("seq2seq", ["--do_predict"], r"--do_predict needs a test split; got \['train', 'validation'\]"),
         ("seq2seq", ["--max_tokens", "8"], "--max_tokens 8 cannot hold the longest training pair"),
         ("seq2seq from Marian", ["--num_sequences", "9"], "--num_sequences fixes the sequence slots of flattened"),
-        ("causal LM", ["--block_size", "1"], "--block_size must be at least 2"),
+        ("causal LM", ["--block_size", "1"], "--block_size must be 2 or more"),
         ("causal LM", ["--text_column", "body"], "--text_column 'body' is not in the data"),
         ("causal LM", ["--train_file", "{tmp}/texts.jsonl", "--do_eval"], "--do_eval needs a validation split"),
         ("masked LM", ["--mlm_probability", "1.5"], r"--mlm_probability must be in \(0, 1\)"),
@@ -209,17 +226,95 @@ def test_a_bad_argument_leaves_the_previous_run_as_it_was(finished_run, tmp_path
     """Every check that can fail (flags, the data against them, the token budget against the longest pair, the layout
     against the model and device, the model config, the schedule the Trainer builds as training starts) fails before
     --overwrite_output_dir removes anything: the folder of the previous run keeps every file as it was."""
-    output_dir = copy_of(finished_run[0], tmp_path)
+    assert_refused_and_the_run_kept(finished_run[0], tmp_path, script, arguments, message)
+
+
+def assert_refused_and_the_run_kept(run: Path, tmp_path: Path, script: str, arguments: list[str], message: str):
+    """`script` with `arguments` and --overwrite_output_dir on a copy of `run` fails with `message`, leaving every file
+    of the copy as it was. {tmp}/ in an argument names a file the test writes there."""
+    output_dir = copy_of(run, tmp_path)
     before = folder_contents(output_dir)
     assert "checkpoint-8/model.safetensors" in before  # what --overwrite_output_dir would remove
-    module, run = SCRIPTS[script]
-    if "{tmp}/marian" in run:
+    module, run_arguments = SCRIPTS[script]
+    if "{tmp}/marian" in run_arguments:
         tiny_marian(tmp_path / "marian")
     (tmp_path / "texts.jsonl").write_text(json.dumps({"text": "one plus one is two"}) + "\n")
-    argv = [argument.replace("{tmp}", str(tmp_path)) for argument in [*run, *arguments]]
+    one_class = [{"text": f"the river number {n}", "label": "rivers"} for n in range(8)]
+    (tmp_path / "one_class.jsonl").write_text("".join(json.dumps(row) + "\n" for row in one_class))
+    ViTImageProcessorPil(size={"height": 8, "width": 8}).save_pretrained(tmp_path / "processor8")
+    argv = [argument.replace("{tmp}", str(tmp_path)) for argument in [*run_arguments, *arguments]]
     with pytest.raises((ValueError, TypeError), match=message):  # TypeError: a schedule's unknown keyword
         module.main([*argv, "--output_dir", str(output_dir), "--overwrite_output_dir"])
     assert folder_contents(output_dir) == before
+
+
+TINY_SIZES = TINY_MODEL[TINY_MODEL.index("--config_overrides") + 1]
+LEARNED_POSITIONS = ["--config_overrides", TINY_SIZES + ",position_embedding_type=learned,max_position_embeddings="]
+EVAL = ["--do_eval", "--demo_validation_size", "4"]
+
+
+@pytest.mark.parametrize(
+    ("script", "arguments", "message"),
+    [
+        *[(name, ["--label_smoothing_factor", "1.5"], r"--label_smoothing_factor must be in \[0, 1\), got 1.5")
+          for name in ("seq2seq", "causal LM", "masked LM", "classifier", "image classifier")],
+        ("masked LM", ["--label_smoothing_factor", "-0.1"], r"--label_smoothing_factor must be in \[0, 1\)"),
+        ("seq2seq", ["--per_device_eval_batch_size", "0", *EVAL], "--per_device_eval_batch_size must be 1 or more"),
+        ("seq2seq", ["--eval_accumulation_steps", "0", *EVAL], "--eval_accumulation_steps must be 1 or more"),
+        ("seq2seq", ["--max_new_tokens_over_source", "-1000", *EVAL], "--max_new_tokens_over_source must be 0 or"),
+        ("seq2seq", ["--generation_max_length", "1", *EVAL], "--generation_max_length must be 2 or more"),
+        ("seq2seq", ["--generation_num_beams", "0", *EVAL], "--generation_num_beams must be 1 or more"),
+        ("seq2seq", ["--gnmt_alpha", "nan", *EVAL], "--gnmt_alpha must be a finite number, got nan"),
+        ("seq2seq", ["--max_source_length", "0"], r"--max_source_length must be 1 or more, got 0 \(tokens; the"),
+        ("seq2seq", ["--max_target_length", "0"], r"--max_target_length must be 1 or more, got 0 \(tokens; the"),
+        ("seq2seq", ["--max_eval_samples", "0", *EVAL], "--max_eval_samples must be 1 or more"),
+        ("seq2seq", ["--num_train_epochs", "0", "--max_steps", "-1"], "--num_train_epochs must be above 0 without"),
+        ("seq2seq", ["--save_steps", "-1"], "--save_steps must be above 0 with --save_strategy steps"),
+        ("seq2seq", ["--logging_steps", "-1"], "--logging_steps must be above 0 with --logging_strategy steps"),
+        ("seq2seq", ["--weight_decay", "-1"], "--weight_decay must be 0 or more"),
+        ("seq2seq", ["--save_total_limit", "0"], "--save_total_limit must be 1 or more"),
+        ("seq2seq", ["--tp_size", "0"], "--tp_size must be 1 or more"),
+        ("seq2seq", ["--eval_every_minutes", "1"], "--eval_every_minutes evaluates .* it needs --do_eval"),
+        ("seq2seq", ["--metric_for_best_model", "blue", *EVAL], "--metric_for_best_model 'blue' is not a metric"),
+        ("seq2seq", ["--metric_for_best_model", "bleu", "--predict_with_generate", "false", *EVAL], r"\['loss'\]"),
+        ("seq2seq", [LEARNED_POSITIONS[0], LEARNED_POSITIONS[1] + "40"], "longest source.*max_position_embeddings=40"),
+        ("seq2seq", [LEARNED_POSITIONS[0], LEARNED_POSITIONS[1] + "32", "--max_source_length", "24"]
+         + ["--max_target_length", "24", *EVAL], "Decoding the validation split up to max_length 75 needs 74"),
+        ("seq2seq", ["--metric_for_best_model", "bleu", "--prediction_loss_only", *EVAL], r"\['loss'\]"),
+        ("seq2seq", ["--dataloader_drop_last", "--demo_train_size", "4"], "train split holds 4 examples, fewer than"),
+        ("causal LM", ["--label_names", "target", *EVAL], r"--label_names \['target'\]: the scripts' batches hold"),
+        ("causal LM", [LEARNED_POSITIONS[0], LEARNED_POSITIONS[1] + "24"], "--block_size 32 needs 32 positions"),
+        ("causal LM", ["--block_size", "64", *EVAL[:1], "--demo_validation_size", "1"], "validation split has no"),
+        ("causal LM", ["--metric_for_best_model", "perplexity", *EVAL, "--eval_strategy", "steps"]
+         + ["--eval_steps", "1"], r"'perplexity' is not a metric this script's evaluation reports: \['loss'\]"),
+        ("masked LM", ["--max_seq_length", "0"], "--max_seq_length must be 1 or more"),
+        ("masked LM", [LEARNED_POSITIONS[0], LEARNED_POSITIONS[1] + "8"], "The train split's longest text needs"),
+        ("classifier", ["--max_seq_length", "0"], "--max_seq_length must be 1 or more"),
+        ("classifier", [LEARNED_POSITIONS[0], LEARNED_POSITIONS[1] + "8"], "The train split's longest text needs"),
+        ("classifier", ["--metric_for_best_model", "bleu", *EVAL[:1]], "'bleu' is not a metric this script's"),
+        ("classifier", ["--train_file", "{tmp}/one_class.jsonl"], r"holds the labels \['rivers'\]: a classifier"),
+        ("classifier", ["--prediction_loss_only", "--do_eval"], "--prediction_loss_only drops the predictions"),
+        ("masked LM", ["--dataloader_drop_last", *EVAL, "--per_device_eval_batch_size", "64"], "validation split hol"),
+        ("image classifier", ["--prediction_loss_only", "--do_eval"], "--prediction_loss_only drops the predictions"),
+        ("image classifier", ["--rotation_degrees", "-5"], "--rotation_degrees must be 0 or more, got -5"),
+        ("image classifier", ["--translate", "-0.1"], r"--translate must be in \[0, 1\], got -0.1"),
+        ("image classifier", ["--scale_jitter", "-0.1"], r"--scale_jitter must be in \[0, 1\), got -0.1"),
+        ("image classifier", ["--scale_jitter", "1"], r"--scale_jitter must be in \[0, 1\), got 1"),
+        ("image classifier", ["--metric_for_best_model", "f1", "--do_eval"], "'f1' is not a metric this script's"),
+        ("image classifier", ["--config_overrides", "image_size=16,patch_size=4,d_model=16,encoder_layers=1"]
+         + ["--image_processor_name", "{tmp}/processor8"], r"makes images of shape \(3, 8, 8\); the model takes"),
+    ],
+)  # fmt: skip
+def test_every_value_read_late_is_refused_before_the_folder_is_cleared(
+    finished_run, tmp_path, script, arguments, message
+):
+    """Values the Trainer reads only at its first step, at evaluation or at saving (label smoothing, evaluation batch
+    size, decoding lengths, step intervals, label names, the metric that chooses weights, predictions the evaluation
+    needs), the scripts' own (truncation lengths, augmentation ranges, sample limits) and the model against the data
+    (positions against the longest sequence, block or decoded output; the image size against the processor's; a
+    class count; a split that fills no batch) are all refused before --overwrite_output_dir removes anything: the
+    previous run keeps every file."""
+    assert_refused_and_the_run_kept(finished_run[0], tmp_path, script, arguments, message)
 
 
 @pytest.mark.parametrize("make_tokenizer", ["bpe", "word"])
@@ -438,13 +533,17 @@ def test_a_saved_transformers_seq2seq_model_trains_with_the_script(tmp_path):
         + ["--per_device_train_batch_size", "4", "--logging_steps", "2", "--max_new_tokens_over_source", "4"]
         + ["--save_steps", "3", "--average_last_checkpoints", "2", "--metric_for_best_model", "bleu"]
     )
-    assert metrics["eval_bleu_last"] >= 0 and metrics["eval_bleu_averaged"] >= 0  # both weights were scored
+    # Both weights were scored on validation, and the better kept (the last on a tie): its score and its count.
+    last, averaged = metrics["eval_bleu_last"], metrics["eval_bleu_averaged"]
+    assert 0 <= last <= 100 and 0 <= averaged <= 100
+    assert metrics["eval_bleu"] == max(last, averaged)
+    assert metrics["averaged_checkpoints"] == (2 if averaged > last else 1)
     trained = MarianMTModel.from_pretrained(output_dir)
     initial = MarianMTModel.from_pretrained(init_dir)
     assert not torch.equal(trained.model.shared.weight, initial.model.shared.weight)
     history = json.loads((output_dir / "trainer_state.json").read_text())["log_history"]
     assert [entry["step"] for entry in history if "loss" in entry] == [2, 4, 6]
-    assert "eval_bleu" in metrics and json.loads((output_dir / "all_results.json").read_text())["eval_bleu"] >= 0
+    assert json.loads((output_dir / "all_results.json").read_text())["eval_bleu"] == metrics["eval_bleu"]
     assert not (output_dir / "README.md").exists()
 
 

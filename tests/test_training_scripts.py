@@ -33,7 +33,12 @@ from hf_vanilla_transformer import (  # noqa: E402
     VanillaTransformerConfig,
     VanillaTransformerForCausalLM,
     VanillaTransformerForConditionalGeneration,
+    VanillaTransformerForImageClassification,
+    VanillaTransformerForMaskedLM,
+    VanillaTransformerForQuestionAnswering,
     VanillaTransformerForSequenceClassification,
+    VanillaTransformerForTokenClassification,
+    image_classification_config,
 )
 
 TINY_MODEL = [
@@ -190,6 +195,71 @@ def test_label_smoothing_of_the_causal_lm_scores_the_next_token(tmp_path):
     outputs = model(input_ids, attention_mask=attention_mask)
     expected = LabelSmoother(epsilon=0.1)(outputs, labels, shift_labels=True, num_items_in_batch=counted)
     torch.testing.assert_close(loss, expected)
+
+
+def smoothed_span_loss(outputs, start_positions, end_positions, epsilon: float) -> torch.Tensor:
+    """Label smoothing written out for a span's start and end scores, (1 - eps) NLL + eps * mean_v -log p_v,
+    averaged over the two (the Trainer's `LabelSmoother` has no `labels` to smooth there)."""
+
+    def smoothed(logits, targets):
+        log_probs = logits.log_softmax(-1)
+        nll = -log_probs.gather(-1, targets[:, None]).squeeze(-1)
+        return ((1 - epsilon) * nll - epsilon * log_probs.mean(-1)).mean()
+
+    return (smoothed(outputs.start_logits, start_positions) + smoothed(outputs.end_logits, end_positions)) / 2
+
+
+def head_case(head: str):
+    """A tiny model of `head`, a training batch for it, and its expected label-smoothed (0.1) loss from the
+    outputs: the Trainer's `LabelSmoother`, or written out for question answering."""
+    torch.manual_seed(0)
+    encoder = tiny_translation_config().for_single_stack("encoder")
+    encoder.num_labels = 3
+    input_ids = torch.randint(3, 40, (3, 6))
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[2, 4:] = 0
+    text = {"input_ids": input_ids, "attention_mask": attention_mask}
+    smoother = LabelSmoother(epsilon=0.1)
+    if head == "sequence classification":
+        batch = {**text, "labels": torch.tensor([0, 2, 1])}
+        return VanillaTransformerForSequenceClassification(encoder), batch, lambda out: smoother(out, batch["labels"])
+    if head == "token classification":
+        batch = {**text, "labels": (input_ids % 3).masked_fill(attention_mask == 0, -100)}
+        return VanillaTransformerForTokenClassification(encoder), batch, lambda out: smoother(out, batch["labels"])
+    if head == "masked LM":
+        batch = {**text, "labels": input_ids.masked_fill(attention_mask == 0, -100)}
+        return VanillaTransformerForMaskedLM(encoder), batch, lambda out: smoother(out, batch["labels"])
+    if head == "question answering":
+        spans = {"start_positions": torch.tensor([1, 0, 2]), "end_positions": torch.tensor([3, 4, 2])}
+
+        def expected(outputs):
+            return smoothed_span_loss(outputs, *spans.values(), epsilon=0.1)
+
+        return VanillaTransformerForQuestionAnswering(encoder), {**text, **spans}, expected
+    config = image_classification_config(
+        d_model=16, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=32, dropout=0.0, num_labels=3,
+        image_size=8, patch_size=4, num_channels=3,
+    )  # fmt: skip
+    batch = {"pixel_values": torch.randn(3, 3, 8, 8), "labels": torch.tensor([0, 2, 1])}
+    return VanillaTransformerForImageClassification(config), batch, lambda out: smoother(out, batch["labels"])
+
+
+@pytest.mark.parametrize(
+    "head",
+    ["sequence classification", "token classification", "question answering", "image classification", "masked LM"],
+)
+def test_label_smoothing_runs_in_every_head_with_the_trainers_formula(tmp_path, head):
+    """The scripts' trainers give each of our heads a label-smoothed loss of its own signature (the classifiers call
+    theirs with other arguments than the language models): the loss of a training step is the Trainer's
+    `LabelSmoother` over the head's outputs (for question answering, the same formula on the start and end scores)."""
+    model, batch, expected_loss = head_case(head)
+    args = train_causal_lm.PaperTrainingArguments(
+        output_dir=str(tmp_path), label_smoothing_factor=0.1, use_cpu=True, report_to=[]
+    )
+    trainer = train_causal_lm.PaperTrainer(model=model.train(), args=args)
+    loss = trainer.compute_loss(model, dict(batch))
+    loss.backward()
+    torch.testing.assert_close(loss, expected_loss(model(**batch)))
 
 
 def test_translation_metrics_score_decoded_text(seq2seq_run):

@@ -161,23 +161,75 @@ class NoamTrainerMixin(Trainer):
         return self.lr_scheduler
 
 
-def label_smoothed_loss(epsilon: float) -> Callable[..., torch.Tensor]:
-    """transformers' token loss (`ForMaskedLMLoss`: labels aligned with the logits, -100 ignored, summed and divided
-    by `num_items_in_batch` when given) with label smoothing (§5.4): (1 - eps) NLL + eps/V sum_v -log p_v, the
-    Trainer's `LabelSmoother` as one cross-entropy, in float32."""
+def smoothed_cross_entropy(
+    logits: torch.Tensor, labels: torch.Tensor, epsilon: float, num_items_in_batch=None, ignore_index: int = -100
+) -> torch.Tensor:
+    """transformers' `fixed_cross_entropy` (-100 ignored, summed and divided by `num_items_in_batch` when given) with
+    label smoothing (§5.4): (1 - eps) NLL + eps/V sum_v -log p_v, the Trainer's `LabelSmoother` as one cross-entropy,
+    in float32. `logits` (N, V), `labels` (N,)."""
+    reduction = "mean" if num_items_in_batch is None else "sum"
+    total = torch.nn.functional.cross_entropy(
+        logits.float(),
+        labels.to(logits.device),
+        ignore_index=ignore_index,
+        reduction=reduction,
+        label_smoothing=epsilon,
+    )
+    return total if num_items_in_batch is None else total / num_items_in_batch
 
-    def loss(logits, labels, vocab_size: int, num_items_in_batch=None, ignore_index: int = -100, **kwargs):
-        reduction = "mean" if num_items_in_batch is None else "sum"
-        total = torch.nn.functional.cross_entropy(
-            logits.float().view(-1, vocab_size),
-            labels.view(-1).to(logits.device),
-            ignore_index=ignore_index,
-            reduction=reduction,
-            label_smoothing=epsilon,
+
+def single_label_problem(config: Any, labels: torch.Tensor) -> None:
+    """Label smoothing smooths a class id: refuse the regression and multi-label problems transformers' sequence
+    classification loss infers (one label; float targets) or is told (`problem_type`)."""
+    problem = config.problem_type
+    if problem is None:
+        is_class_id = config.num_labels > 1 and labels.dtype in (torch.long, torch.int)
+        problem = "single_label_classification" if is_class_id else "regression or multi-label classification"
+    if problem != "single_label_classification":
+        raise ValueError(
+            f"--label_smoothing_factor smooths class ids; this classifier's problem is {problem} "
+            f"(num_labels={config.num_labels}, labels of {labels.dtype}): drop it."
         )
-        return total if num_items_in_batch is None else total / num_items_in_batch
 
-    return loss
+
+def label_smoothed_loss(epsilon: float, loss_type: str = "ForMaskedLM") -> Callable[..., torch.Tensor]:
+    """The `loss_function` of a model of transformers' `loss_type` (the heads call each with its own arguments) with
+    label smoothing, as `smoothed_cross_entropy`: "ForMaskedLM" (our language models: labels aligned with the
+    logits), sequence and image classification, token classification, question answering (start and end smoothed
+    alike; the Trainer's `LabelSmoother` would not smooth them, having no `labels` to pop)."""
+
+    def token_loss(logits, labels, vocab_size: int, num_items_in_batch=None, ignore_index: int = -100, **kwargs):
+        flat = logits.view(-1, vocab_size), labels.view(-1)
+        return smoothed_cross_entropy(*flat, epsilon, num_items_in_batch, ignore_index)
+
+    def sequence_classification_loss(labels, pooled_logits, config, num_items_in_batch=None, **kwargs):
+        single_label_problem(config, labels)
+        flat = pooled_logits.view(-1, config.num_labels), labels.view(-1)
+        return smoothed_cross_entropy(*flat, epsilon, num_items_in_batch)
+
+    def token_classification_loss(logits, labels, config, num_items_in_batch=None, ignore_index=-100, **kwargs):
+        flat = logits.view(-1, config.num_labels), labels.view(-1)
+        return smoothed_cross_entropy(*flat, epsilon, num_items_in_batch, ignore_index)
+
+    def question_answering_loss(start_logits, end_logits, start_positions, end_positions, **kwargs):
+        # transformers' ForQuestionAnsweringLoss: positions outside the sequence are clamped to one past it, ignored.
+        outside, count = start_logits.size(1), kwargs.get("num_items_in_batch")
+        start, end = (
+            smoothed_cross_entropy(logits, positions.view(-1).clamp(0, outside), epsilon, count, ignore_index=outside)
+            for logits, positions in ((start_logits, start_positions), (end_logits, end_positions))
+        )
+        return (start + end) / 2
+
+    losses = {
+        "ForMaskedLM": token_loss,
+        "ForSequenceClassification": sequence_classification_loss,
+        "ForImageClassification": sequence_classification_loss,
+        "ForTokenClassification": token_classification_loss,
+        "ForQuestionAnswering": question_answering_loss,
+    }
+    if loss_type not in losses:
+        raise ValueError(f"--label_smoothing_factor: no label-smoothed loss for a {loss_type} head ({sorted(losses)}).")
+    return losses[loss_type]
 
 
 class ModelLossMixin(Trainer):
@@ -191,8 +243,8 @@ class ModelLossMixin(Trainer):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         ours = isinstance(self.model, VanillaTransformerPreTrainedModel)
-        if ours and self.label_smoother is not None:
-            self.model.loss_function = label_smoothed_loss(self.label_smoother.epsilon)
+        if ours and self.label_smoother is not None:  # each head calls its loss with its own arguments
+            self.model.loss_function = label_smoothed_loss(self.label_smoother.epsilon, self.model.loss_type)
             self.label_smoother = None
         self.loss_without_logits = ours and "skip_logits" in inspect.signature(self.model.forward).parameters
 
@@ -396,14 +448,113 @@ def pretrained_model_kwargs(model_args: Any) -> dict[str, Any]:
     return kwargs
 
 
+@dataclass(frozen=True)
+class Bound:
+    """The values a numeric argument may take: from `low` to `high`, each end included where `ends` has a bracket
+    ("[)": low included, high not); never NaN or infinite. `why` ends the refusal's message."""
+
+    low: float = -math.inf
+    high: float = math.inf
+    ends: str = "[]"
+    why: str = ""
+
+    def holds(self, value: float) -> bool:
+        above = value >= self.low if self.ends[0] == "[" else value > self.low
+        below = value <= self.high if self.ends[1] == "]" else value < self.high
+        return above and below and math.isfinite(value)
+
+    def __str__(self) -> str:
+        if self.high < math.inf:
+            return f"in {self.ends[0]}{self.low:g}, {self.high:g}{self.ends[1]}"
+        if self.low == -math.inf:
+            return "a finite number"
+        return f"{self.low:g} or more" if self.ends[0] == "[" else f"above {self.low:g}"
+
+
+AT_LEAST_ONE = Bound(1)
+NOT_NEGATIVE = Bound(0)
+SHARE = Bound(0, 1, "[)")
+NO_TRUNCATION = "tokens; the tokenizer reads 0 as no truncation"
+# Every numeric argument of the scripts that can be wrong and that nothing else refuses before training begins:
+# the Trainer reads most of these only in its first step, at evaluation or at saving, after --overwrite_output_dir
+# has emptied the folder; data work would fail later on others, or silently read 0 as "no limit". None: not set.
+ARGUMENT_BOUNDS = {
+    # The Trainer's (transformers' TrainingArguments and Seq2SeqTrainingArguments)
+    "label_smoothing_factor": Bound(0, 1, "[)", "the share of each target spread over all classes"),
+    "learning_rate": Bound(0, ends="(]"),
+    "weight_decay": NOT_NEGATIVE,
+    "max_grad_norm": Bound(0, why="0 turns clipping off"),
+    "per_device_train_batch_size": AT_LEAST_ONE,
+    "per_device_eval_batch_size": AT_LEAST_ONE,
+    "gradient_accumulation_steps": AT_LEAST_ONE,
+    "eval_accumulation_steps": AT_LEAST_ONE,
+    "save_total_limit": AT_LEAST_ONE,
+    "dataloader_num_workers": NOT_NEGATIVE,
+    "generation_max_length": Bound(2, why="the decoder's start token and at least one generated token"),
+    "generation_num_beams": AT_LEAST_ONE,
+    # The scripts' own
+    "gnmt_alpha": Bound(),
+    "max_new_tokens_over_source": NOT_NEGATIVE,
+    "max_source_length": Bound(1, why=NO_TRUNCATION),
+    "max_target_length": Bound(1, why=NO_TRUNCATION),
+    "max_seq_length": Bound(1, why=NO_TRUNCATION),
+    "block_size": Bound(2, why="a block's first token predicts the second"),
+    "max_train_samples": Bound(1, why="examples; the script reads 0 as every example"),
+    "max_eval_samples": Bound(1, why="examples; the script reads 0 as every example"),
+    "demo_train_size": AT_LEAST_ONE,
+    "demo_validation_size": AT_LEAST_ONE,
+    "tokenizer_vocab_size": AT_LEAST_ONE,
+    "tp_size": AT_LEAST_ONE,
+    "mlm_probability": Bound(0, 1, "()"),
+    "train_val_split": SHARE,
+    "rotation_degrees": NOT_NEGATIVE,
+    "scale_jitter": Bound(0, 1, "[)", "zooms are drawn from [1 - s, 1 + s]"),
+    "translate": Bound(0, 1, why="the largest shift, as a share of the image"),
+}
+
+
+def check_argument_bounds(groups: tuple[Any, ...]) -> None:
+    """Every argument of the parsed dataclasses that ARGUMENT_BOUNDS knows, refused by name outside its bounds."""
+    for group in groups:
+        for argument in dataclasses.fields(group):
+            bound, value = ARGUMENT_BOUNDS.get(argument.name), getattr(group, argument.name)
+            if bound is None or value is None or bound.holds(value):
+                continue
+            why = f" ({bound.why})" if bound.why else ""
+            raise ValueError(f"--{argument.name} must be {bound}, got {value}{why}.")
+
+
+def check_trainer_values(training_args: Any) -> None:
+    """The Trainer's step counts where its strategy reads them (a count, or below 1 a share of the run): a run that
+    trains no step, or logs, saves or evaluates at a negative interval, is refused before it starts. So is
+    --label_names naming other fields than the scripts' batches carry their targets in: evaluation would find none
+    and report no loss."""
+    if training_args.label_names not in (None, ["labels"]):
+        raise ValueError(
+            f"--label_names {training_args.label_names}: the scripts' batches hold their targets in labels."
+        )
+    if training_args.max_steps <= 0 and not training_args.num_train_epochs > 0:
+        raise ValueError(
+            f"--num_train_epochs must be above 0 without --max_steps, got {training_args.num_train_epochs}: the run "
+            "would train no step."
+        )
+    for name in ("logging", "save", "eval"):
+        steps, strategy = getattr(training_args, f"{name}_steps"), getattr(training_args, f"{name}_strategy")
+        if strategy == "steps" and steps is not None and not steps > 0:
+            raise ValueError(f"--{name}_steps must be above 0 with --{name}_strategy steps, got {steps}.")
+
+
 def parse_script_arguments(
     dataclass_types: tuple[type, ...], argv: list[str] | None, **new_model_fields: Any
 ) -> tuple[Any, ...]:
     """A training script's argument dataclasses (model, data, training) from `argv`, the command line by default,
-    with the processes configured and the model arguments checked; then the logging set up and every random
-    generator seeded with `--seed`."""
+    with the processes configured and every argument checked that can be on its own (`ARGUMENT_BOUNDS`,
+    `check_trainer_values`, the model arguments); then the logging set up and every random generator seeded with
+    `--seed`."""
     configure_processes()
     model_args, *other_args = HfArgumentParser(dataclass_types).parse_args_into_dataclasses(args=argv)
+    check_argument_bounds((model_args, *other_args))
+    check_trainer_values(other_args[-1])
     check_model_arguments(model_args, new_model_fields)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     transformers.utils.logging.set_verbosity_warning()
@@ -587,3 +738,89 @@ def required_split(data: DatasetDict, split: str, flag: str) -> Any:
     if split not in data:
         raise ValueError(f"{flag} needs a {split} split; the data has {list(data)}.")
     return data[split]
+
+
+def position_limit(config: Any) -> int | None:
+    """The most positions the model embeds, or None without a limit: this package's learned positions (its
+    sinusoids, rotary and no positions extrapolate to any length); transformers' models' max_position_embeddings
+    (HF Marian's sinusoids are a table of that many rows)."""
+    if config.model_type == VanillaTransformerConfig.model_type:
+        return config.max_position_embeddings if config.position_embedding_type == "learned" else None
+    return getattr(config, "max_position_embeddings", None)
+
+
+def round_up(length: int, multiple: int) -> int:
+    return -(-length // multiple) * multiple
+
+
+def longest(data: Any, column: str = "input_ids") -> int:
+    return max(map(len, data[column]), default=0)
+
+
+def check_positions(config: Any, needs: Callable[[], dict[str, int]], remedy: str) -> None:
+    """Each of `needs()` (what needs positions: how many) fits the model's `position_limit`, so that no step fails
+    on a position past it; `needs` reads the data only when the model has a limit."""
+    limit = position_limit(config)
+    if limit is None:
+        return
+    for what, positions in needs().items():
+        if positions > limit:
+            raise ValueError(
+                f"{what} needs {positions} positions, more than the model has (max_position_embeddings={limit}): "
+                f"{remedy}."
+            )
+
+
+def check_text_positions(config: Any, splits: dict[str, Any]) -> None:
+    """Each split's longest tokenized text (a batch is padded to its longest) fits the model's positions."""
+
+    def needs() -> dict[str, int]:
+        return {f"The {name} split's longest text": longest(split) for name, split in splits.items()}
+
+    check_positions(config, needs, "lower --max_seq_length or give the model more positions")
+
+
+def check_batches(splits: dict[str, Any], training_args: Any, hint: str = "") -> None:
+    """Every split fills a batch once prepared (with --dataloader_drop_last, a whole one on every process): with
+    none, the Trainer would train no step, or evaluate nothing after training; refused now, naming the split."""
+    by_tokens = getattr(training_args, "max_tokens", None) is not None  # the seq2seq script's own training batches
+    for name, split in splits.items():
+        if len(split) == 0:
+            raise ValueError(f"The {name} split has no example once prepared{hint}.")
+        if not training_args.dataloader_drop_last or (name == "train" and by_tokens):
+            continue
+        per_device = getattr(training_args, f"per_device_{'train' if name == 'train' else 'eval'}_batch_size")
+        if len(split) < per_device * training_args.world_size:
+            raise ValueError(
+                f"The {name} split holds {len(split)} examples, fewer than one batch of {per_device} per device on "
+                f"{training_args.world_size} process(es), which --dataloader_drop_last drops: it would yield none."
+            )
+
+
+def evaluates_during_training(training_args: Any) -> bool:
+    return training_args.eval_strategy != "no" or training_args.eval_every_minutes is not None
+
+
+def check_predictions_kept(training_args: Any) -> None:
+    """The classifier scripts predict the validation set after training (accuracy, the confusion matrix):
+    --prediction_loss_only would leave them no predictions there."""
+    if training_args.do_eval and training_args.prediction_loss_only:
+        raise ValueError("--prediction_loss_only drops the predictions the classifier's evaluation scores: drop it.")
+
+
+def check_metric_for_best_model(training_args: Any, reported: set[str]) -> None:
+    """--metric_for_best_model must name a metric the evaluations report (`reported`, without the eval_ prefix):
+    the Trainer reads it after each evaluation during training, and --average_last_checkpoints after training."""
+    metric = training_args.metric_for_best_model
+    if metric is None or not training_args.do_eval:
+        return
+    if metric.removeprefix("eval_") not in reported:
+        raise ValueError(
+            f"--metric_for_best_model {metric!r} is not a metric this script's evaluation reports: {sorted(reported)}."
+        )
+
+
+def perplexity_metrics(training_args: Any) -> set[str]:
+    """What the language-model scripts' evaluations report: the loss, and the perplexity where every evaluation is
+    the script's own (after training); the Trainer's evaluations during training report the loss only."""
+    return {"loss"} if evaluates_during_training(training_args) else {"loss", "perplexity"}

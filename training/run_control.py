@@ -130,6 +130,8 @@ class RunArguments:
             )
         if self.average_last_checkpoints and self.save_strategy == SaveStrategy.NO:
             raise ValueError("--average_last_checkpoints averages saved checkpoints: it needs a --save_strategy.")
+        if self.eval_every_minutes is not None and not self.do_eval:  # the Trainer would find no eval_dataset
+            raise ValueError("--eval_every_minutes evaluates the validation set during training: it needs --do_eval.")
 
 
 def run_record(arguments: tuple[Any, ...]) -> dict[str, Any]:

@@ -23,9 +23,13 @@ from run_common import (
     ModelLossMixin,
     NoamArguments,
     NoamTrainerMixin,
+    check_batches,
+    check_metric_for_best_model,
+    check_positions,
     load_local_files,
     new_model_config,
     parse_script_arguments,
+    perplexity_metrics,
     pretrained_model_kwargs,
     save_run,
     schedule_description,
@@ -114,8 +118,6 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     )
     model_args, data_args, training_args = arguments
     folder = check_output_dir(arguments)
-    if data_args.block_size <= 1:
-        raise ValueError(f"--block_size must be at least 2, got {data_args.block_size}.")
 
     raw, dataset_label = load_raw_datasets(data_args)
     column_names = raw[next(iter(raw))].column_names
@@ -164,6 +166,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 desc=f"Packing {split} into blocks of {data_args.block_size}",
             )
         splits[split] = blocks.select(range(min(limit, len(blocks)))) if limit else blocks
+    check_batches(splits, training_args, f" (its texts hold fewer than --block_size {data_args.block_size} tokens)")
+    block = {f"--block_size {data_args.block_size}": data_args.block_size}
+    check_positions(model.config, lambda: block, "lower --block_size or give the model more positions")
+    check_metric_for_best_model(training_args, perplexity_metrics(training_args))
 
     trainer = PaperTrainer(
         model=model,

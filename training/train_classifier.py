@@ -23,6 +23,10 @@ from run_common import (
     ModelArguments,
     NoamArguments,
     TextDataArguments,
+    check_batches,
+    check_metric_for_best_model,
+    check_predictions_kept,
+    check_text_positions,
     load_text_data,
     new_model_config,
     parse_script_arguments,
@@ -47,6 +51,7 @@ from hf_vanilla_transformer.model_card_vanilla_transformer import write_model_ca
 
 DEMO_DATASET = "synthetic topic language, labelled by topic (built-in demo, training/demo_text_data.py)"
 CONFUSION_PLOT = "confusion_matrix.png"
+CLASSIFICATION_METRICS = {"loss", "accuracy", "macro_f1"}  # what `metrics_for`'s evaluation reports
 
 
 @dataclass
@@ -100,8 +105,12 @@ def label_names(data: DatasetDict, label_column: str) -> list[str]:
         raise ValueError(f"--label_column {label_column!r} is not in the data; it has {split.column_names}.")
     feature = split.features[label_column]
     if isinstance(feature, ClassLabel):
-        return list(feature.names)
-    return [str(value) for value in sorted(set(split[label_column]))]
+        names = list(feature.names)
+    else:
+        names = [str(value) for value in sorted(set(split[label_column]))]
+    if len(names) < 2:  # one label would make transformers' loss a regression on class ids, which fails at step 1
+        raise ValueError(f"--label_column {label_column!r} holds the labels {names}: a classifier needs two or more.")
+    return names
 
 
 def confusion_matrix(labels: np.ndarray, predictions: np.ndarray, num_labels: int) -> np.ndarray:
@@ -210,6 +219,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         if getattr(training_args, flag[2:]):
             part = required_split(data, split, flag)
             splits[split] = part.map(tokenize, batched=True, remove_columns=part.column_names)
+    check_batches(splits, training_args)
+    check_text_positions(model.config, splits)
+    check_metric_for_best_model(training_args, CLASSIFICATION_METRICS)
+    check_predictions_kept(training_args)
 
     trainer = PaperTrainer(
         model=model,

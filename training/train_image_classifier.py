@@ -31,6 +31,9 @@ import torch
 from datasets import Array3D, ClassLabel, DatasetDict, Features, Value, load_dataset
 from demo_image_data import DIGITS_DATASET, digits_dataset
 from run_common import (
+    check_batches,
+    check_metric_for_best_model,
+    check_predictions_kept,
     config_errors_named,
     parse_config_overrides,
     parse_script_arguments,
@@ -40,6 +43,7 @@ from run_common import (
 from run_control import check_output_dir, train_and_choose_weights
 from train_causal_lm import PaperTrainer
 from train_classifier import (
+    CLASSIFICATION_METRICS,
     FineTuningArguments,
     freeze_base_model,
     label_names,
@@ -186,6 +190,21 @@ def image_processor_for(model_args: ImageModelArguments, config):
     return ViTImageProcessorPil(size={"height": height, "width": width})
 
 
+def check_image_shape(config, shape: tuple[int, ...]) -> None:
+    """The processed images are what the model takes, (num_channels, height, width) of its config, checked on the
+    first one, before a training step would fail on them."""
+    if getattr(config, "image_size", None) is None:
+        return
+    size = config.image_size
+    expected = (config.num_channels, *((size, size) if isinstance(size, int) else size))
+    if tuple(shape) != expected:
+        raise ValueError(
+            f"The image processor makes images of shape {tuple(shape)}; the model takes {expected} (num_channels, "
+            "image_size): give --image_processor_name of the model's size, or --config_overrides image_size=... for "
+            "a new model."
+        )
+
+
 def collate(examples: list[dict]) -> dict[str, torch.Tensor]:
     return {
         "pixel_values": torch.stack([example["pixel_values"] for example in examples]),
@@ -255,6 +274,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         """The split as (pixel_values, labels) tensors, stored with their fixed shape (read back as one array)."""
         part = data[split]
         shape = preprocess(part[:1])["pixel_values"].shape[1:]
+        check_image_shape(model.config, shape)
         features = Features({"pixel_values": Array3D(shape=shape, dtype="float32"), "labels": Value("int64")})
         part = part.map(preprocess, batched=True, remove_columns=part.column_names, features=features)
         return part.with_format("torch")
@@ -265,6 +285,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             if split not in data:
                 raise ValueError(f"{flag} needs a {split} split; the data has {list(data)}.")
             splits[split] = processed(split)
+    check_batches(splits, training_args)
+    check_metric_for_best_model(training_args, CLASSIFICATION_METRICS)
+    check_predictions_kept(training_args)
 
     trainer = ImageTrainer(
         model=model,

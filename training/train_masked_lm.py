@@ -18,9 +18,13 @@ from demo_text_data import unlabelled_text, word_tokenizer
 from run_common import (
     ModelArguments,
     TextDataArguments,
+    check_batches,
+    check_metric_for_best_model,
+    check_text_positions,
     load_text_data,
     new_model_config,
     parse_script_arguments,
+    perplexity_metrics,
     required_split,
     save_run,
     schedule_description,
@@ -70,8 +74,6 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     )
     model_args, data_args, training_args = arguments
     folder = check_output_dir(arguments)
-    if not 0 < data_args.mlm_probability < 1:
-        raise ValueError(f"--mlm_probability must be in (0, 1), got {data_args.mlm_probability}.")
 
     raw, dataset_label = load_text_data(data_args, unlabelled_text, DEMO_DATASET)
     train_texts = (text for batch in raw["train"].iter(batch_size=1000) for text in batch[data_args.text_column])
@@ -95,6 +97,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             with training_args.main_process_first(desc=f"tokenizing {split}"):
                 data = required_split(raw, split, flag)
                 splits[split] = data.map(tokenize, batched=True, remove_columns=data.column_names)
+    check_batches(splits, training_args)
+    check_text_positions(model.config, splits)
+    check_metric_for_best_model(training_args, perplexity_metrics(training_args))
 
     trainer = PaperTrainer(
         model=model,

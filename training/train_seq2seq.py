@@ -38,10 +38,15 @@ from run_common import (
     ModelLossMixin,
     NoamArguments,
     NoamTrainerMixin,
+    check_batches,
+    check_metric_for_best_model,
+    check_positions,
     load_local_files,
+    longest,
     new_model_config,
     parse_script_arguments,
     pretrained_model_kwargs,
+    round_up,
     save_run,
     schedule_description,
 )
@@ -57,9 +62,12 @@ from transformers import (
 )
 
 from hf_vanilla_transformer import preferred_layout, seq2seq_training_collator  # also registers the Auto classes
+from hf_vanilla_transformer.collators_vanilla_transformer import PADDED_MULTIPLE_OF
 
 logger = logging.getLogger(__name__)
 DEMO_DATASET = "num2words-en-de (built-in demo, training/demo_data.py)"
+EVALUATION_MULTIPLE = 8  # the evaluation collator pads a batch's sources and targets to a multiple of this
+TRANSLATION_METRICS = {"bleu", "bleu_lowercase", "chrf", "exact_match"}  # what `translation_metrics` reports
 
 
 @dataclass
@@ -235,6 +243,39 @@ def translation_metrics(tokenizer):
     return compute_metrics
 
 
+def positions_needed(splits: dict, training_args, flattened: bool) -> dict[str, int]:
+    """What the data asks of the model's positions: each split's longest source and target as batched (a padded
+    batch is as long as a multiple of its collator's: training's --pad_to_multiple_of or 8, evaluation's 8; a
+    flattened one counts each sequence from 0), and where evaluation decodes, the decoder's last position
+    (`PaperSeq2SeqTrainer.prediction_step`'s max_length less one: the last token is generated, not read)."""
+    needs = {}
+    for split, data in splits.items():
+        multiple = EVALUATION_MULTIPLE
+        if split == "train":
+            multiple = 1 if flattened else training_args.pad_to_multiple_of or PADDED_MULTIPLE_OF
+        source, target = round_up(longest(data), multiple), round_up(longest(data, "labels"), multiple)
+        needs[f"The {split} split's longest source, batched,"] = source
+        needs[f"The {split} split's longest target, batched,"] = target
+        if split != "train" and training_args.predict_with_generate:
+            max_length = training_args.generation_max_length or 1 + source + training_args.max_new_tokens_over_source
+            needs[f"Decoding the {split} split up to max_length {max_length}"] = max_length - 1
+    return needs
+
+
+def check_model_against_the_data(training_args, model, splits: dict, flattened: bool) -> None:
+    """What training, evaluation and decoding will ask of the model, checked on the prepared data before training:
+    the positions they need, and the metric that chooses weights among those evaluation reports."""
+    check_positions(
+        model.config,
+        lambda: positions_needed(splits, training_args, flattened),
+        "lower --max_source_length/--max_target_length (or --max_new_tokens_over_source, --generation_max_length), "
+        "or give the model more positions",
+    )
+    decodes = training_args.predict_with_generate and not training_args.prediction_loss_only
+    reported = {"loss"} | (TRANSLATION_METRICS if decodes else set())
+    check_metric_for_best_model(training_args, reported)
+
+
 def main(argv: list[str] | None = None) -> dict[str, float]:
     arguments = parse_script_arguments((ModelArguments, DataArguments, PaperSeq2SeqTrainingArguments), argv)
     model_args, data_args, training_args = arguments
@@ -312,6 +353,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             "--num_sequences fixes the sequence slots of flattened batches; this model trains on padded ones on "
             f"{device} (bf16/fp16: {half_precision}): drop it."
         )
+    check_batches(splits, training_args)
+    check_model_against_the_data(training_args, model, splits, flattened)
     sampler = token_budget_sampler(training_args, splits["train"], flattened) if "train" in splits else None
     train_collator = seq2seq_training_collator(
         model,
@@ -328,7 +371,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         train_dataset=splits.get("train"),
         eval_dataset=splits.get("validation"),
         processing_class=tokenizer,
-        data_collator=DataCollatorForSeq2Seq(tokenizer, model=model, pad_to_multiple_of=8),
+        data_collator=DataCollatorForSeq2Seq(tokenizer, model=model, pad_to_multiple_of=EVALUATION_MULTIPLE),
         train_data_collator=train_collator,
         train_batch_sampler=sampler,
         compute_metrics=translation_metrics(tokenizer) if training_args.predict_with_generate else None,

@@ -74,6 +74,7 @@ class SingleStackTaskHead(VanillaTransformerPreTrainedModel):
         super().__init__(config)
         stack_class = VanillaTransformerDecoder if config.is_decoder else VanillaTransformerEncoder
         self.model = stack_class(config)
+        self.num_experts = config.num_experts  # read at every step: an attribute, as Mixtral's heads keep it
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.model.embed_tokens
@@ -150,7 +151,7 @@ class ClassifierHead(SingleStackTaskHead):
             regression; `config.problem_type` decides, as in transformers' own classifiers). Token classification:
             a class index per token, `(batch_size, length)`, -100 where ignored (padding, continuation word pieces).
         """
-        router = RouterRequest.of(self.config, labels, output_router_logits) if self.config.num_experts else None
+        router = RouterRequest.of(self.config, labels, output_router_logits) if self.num_experts else None
         outputs = self.run_stack(input_ids, attention_mask, inputs_embeds, router, **kwargs)
         states = self.classified_states(outputs.last_hidden_state, attention_mask, input_ids)
         logits = self.classifier(self.dropout(states))
@@ -262,7 +263,7 @@ class VanillaTransformerForQuestionAnswering(SingleStackTaskHead):
             transformers' QA heads.
         """
         labels = None if start_positions is None or end_positions is None else start_positions
-        router = RouterRequest.of(self.config, labels, output_router_logits) if self.config.num_experts else None
+        router = RouterRequest.of(self.config, labels, output_router_logits) if self.num_experts else None
         outputs = self.run_stack(input_ids, attention_mask, inputs_embeds, router, **kwargs)
         logits = self.qa_outputs(outputs.last_hidden_state)
         loss_of = partial(self.span_loss, start_positions=start_positions, end_positions=end_positions, **kwargs)

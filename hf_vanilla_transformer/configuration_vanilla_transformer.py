@@ -484,7 +484,7 @@ class VanillaTransformerConfig(PreTrainedConfig):
     def _named_stack(self) -> Stack:
         """The stack the generic size names describe: the decoder of a decoder-only model, else the encoder (BART's
         convention for an encoder-decoder, whose `get_text_config(decoder=True)` renames the decoder's sizes)."""
-        return "decoder" if self.stacks == ("decoder",) else "encoder"
+        return "decoder" if self.is_decoder and not self.is_encoder_decoder else "encoder"
 
     @property
     def num_hidden_layers(self) -> int:

@@ -188,6 +188,7 @@ class VanillaTransformerForImageClassification(VanillaTransformerImagePreTrained
         super().__init__(config)
         self.model = VanillaTransformerImageEncoder(config)
         self.dropout = Dropout(config.classifier_dropout)
+        self.num_experts = config.num_experts  # read at every step: an attribute, as Mixtral's heads keep it
         self.classifier = nn.Linear(config.d_model, config.num_labels)
         self.post_init()
 
@@ -221,7 +222,7 @@ class VanillaTransformerForImageClassification(VanillaTransformerImagePreTrained
         check_sequence_classification_labels(
             labels, pixel_values.shape[0], self.config.num_labels, self.config.problem_type
         )
-        router = RouterRequest.of(self.config, labels, output_router_logits) if self.config.num_experts else None
+        router = RouterRequest.of(self.config, labels, output_router_logits) if self.num_experts else None
         outputs = self.model(
             pixel_values, output_router_logits=router is not None and router.compute, return_dict=True, **kwargs
         )

@@ -91,6 +91,7 @@ class VanillaTransformerForConditionalGeneration(LanguageModelingHead, VanillaTr
     def __init__(self, config: VanillaTransformerConfig):
         require_encoder_decoder(config)
         super().__init__(config)
+        self.num_experts = config.num_experts  # read at every step: an attribute, as Mixtral's heads keep it
         self.model = VanillaTransformerModel(config)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=config.lm_head_bias)
         # Labels are aligned with the decoder outputs already; the class-name default (ForCausalLM) would shift them.
@@ -166,7 +167,7 @@ class VanillaTransformerForConditionalGeneration(LanguageModelingHead, VanillaTr
         )
         if labels is not None and decoder_input_ids is None and decoder_inputs_embeds is None:
             decoder_input_ids = self.prepare_decoder_input_ids_from_labels(labels, kwargs.get("cu_seq_lens_q"))
-        router = RouterRequest.of(self.config, labels, output_router_logits) if self.config.num_experts else None
+        router = RouterRequest.of(self.config, labels, output_router_logits) if self.num_experts else None
         outputs = self.model(
             input_ids,
             return_dict=True,  # the head reads fields; its own return_dict applies to its output
@@ -248,6 +249,7 @@ class VanillaTransformerForCausalLM(LanguageModelingHead, VanillaTransformerGene
     def __init__(self, config: VanillaTransformerConfig):
         config = config.for_single_stack("decoder")
         super().__init__(config)
+        self.num_experts = config.num_experts  # read at every step: an attribute, as Mixtral's heads keep it
         self.model = VanillaTransformerDecoder(config)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=config.lm_head_bias)
         # The head shifts the labels itself (`next_token_targets`), so the loss must not shift them again.
@@ -305,7 +307,7 @@ class VanillaTransformerForCausalLM(LanguageModelingHead, VanillaTransformerGene
         targets = self.next_token_targets(labels, kwargs.get("shift_labels"))
         if skip_logits and targets is None:
             raise ValueError(SKIP_LOGITS_WITHOUT_LABELS)
-        router = RouterRequest.of(self.config, targets, output_router_logits) if self.config.num_experts else None
+        router = RouterRequest.of(self.config, targets, output_router_logits) if self.num_experts else None
         outputs = self.model(
             return_dict=True,  # the head reads fields; its own return_dict applies to its output
             input_ids=input_ids,
@@ -357,6 +359,7 @@ class VanillaTransformerForMaskedLM(LanguageModelingHead):
     def __init__(self, config: VanillaTransformerConfig):
         config = config.for_single_stack("encoder")
         super().__init__(config)
+        self.num_experts = config.num_experts  # read at every step: an attribute, as Mixtral's heads keep it
         self.model = VanillaTransformerEncoder(config)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=config.lm_head_bias)
         self.post_init()
@@ -395,7 +398,7 @@ class VanillaTransformerForMaskedLM(LanguageModelingHead):
         )
         if skip_logits and labels is None:
             raise ValueError(SKIP_LOGITS_WITHOUT_LABELS)
-        router = RouterRequest.of(self.config, labels, output_router_logits) if self.config.num_experts else None
+        router = RouterRequest.of(self.config, labels, output_router_logits) if self.num_experts else None
         outputs = self.model(
             return_dict=True,  # the head reads fields; its own return_dict applies to its output
             input_ids=input_ids,

@@ -23,6 +23,7 @@ from hf_vanilla_transformer.modeling_vanilla_transformer import (
     expert_activation,
     ffn_activation,
 )
+from hf_vanilla_transformer import moe_kernels_vanilla_transformer as moe_kernels
 from hf_vanilla_transformer.moe_kernels_vanilla_transformer import (
     SORTED_GROUPED_MM,
     batched_mm_gathered_bytes,
@@ -341,3 +342,21 @@ def test_batched_mm_limit_compiles_with_the_experts():
     _, top_k_weights, top_k_index = moe.gate(hidden.reshape(-1, 32))
     expected = moe.experts(hidden.reshape(-1, 32), top_k_index, top_k_weights)
     torch.testing.assert_close(compiled(hidden.reshape(-1, 32), top_k_index, top_k_weights), expected)
+
+
+def test_sorted_grouped_mm_without_transformers_grouped_linear_computes_the_same(monkeypatch):
+    """A transformers release without its private `_grouped_linear` (the package imports it under a guard): the
+    experts run transformers' looped fallback kernel instead, with the same outputs and gradients."""
+    moe = block(SORTED_GROUPED_MM, ffn_type="swiglu").train()
+    hidden = torch.randn(14, 32)
+    parameters = dict(moe.experts.named_parameters())
+
+    def routed(tokens: torch.Tensor) -> torch.Tensor:
+        _, top_k_weights, top_k_index = moe.gate(tokens)
+        return sorted_grouped_mm_experts_forward(moe.experts, tokens, top_k_index, top_k_weights)
+
+    expected, expected_grads = forward_backward(routed, hidden, parameters)
+    monkeypatch.setattr(moe_kernels, "_grouped_linear", None)
+    looped, looped_grads = forward_backward(routed, hidden, parameters)
+    torch.testing.assert_close(looped, expected, rtol=1e-5, atol=1e-5)
+    assert_same_grads(looped_grads, expected_grads, rtol=1e-4, atol=1e-5)

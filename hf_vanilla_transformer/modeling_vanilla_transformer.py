@@ -43,13 +43,12 @@ from transformers.utils import TransformersKwargs, can_return_tuple, is_torchdyn
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
-from .configuration_vanilla_transformer import GATED_FFN_TYPES, Stack, VanillaTransformerConfig
+from .configuration_vanilla_transformer import GATED_FFN_TYPES, StackName, VanillaTransformerConfig
 from .inputs_vanilla_transformer import IGNORE_INDEX, check_seq2seq_inputs, check_stack_inputs, require
 from .moe_kernels_vanilla_transformer import VanillaTransformerExperts
 from .packing_vanilla_transformer import (
     SHORT_SEQUENCE_ON_CPU,
     FlattenedAttention,
-    is_flattened,
     seq2seq_flattened_attention,
     stack_flattened_attention,
     under_math_sdpa,
@@ -72,6 +71,11 @@ def given_cache(cache: Cache | None, past_key_values: Cache | None) -> Cache | N
     if cache is not None:
         raise ValueError("Pass the decoder cache as `cache` or as `past_key_values`, not both.")
     return past_key_values
+
+
+def is_flattened(kwargs: dict) -> bool:
+    """Whether a forward's `kwargs` carry a flattened batch's offsets (an encoder-decoder's may give either side)."""
+    return kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None
 
 
 # ------------------------------------------------------------------------------------ embeddings and positions
@@ -234,7 +238,7 @@ def build_norm(config: VanillaTransformerConfig) -> nn.Module:
     return nn.LayerNorm(config.d_model, eps=config.norm_eps, bias=config.norm_bias)
 
 
-def deepnorm_constants(config: VanillaTransformerConfig, stack: Stack) -> tuple[float, float]:
+def deepnorm_constants(config: VanillaTransformerConfig, stack: StackName) -> tuple[float, float]:
     """DeepNet (Wang et al. 2022, Figure 2 / Table 1) residual weight alpha and init gain beta.
 
     Encoder-decoder with N encoder and M decoder layers:
@@ -256,7 +260,7 @@ def deepnorm_constants(config: VanillaTransformerConfig, stack: Stack) -> tuple[
 DEEPNORM_SCALED_MODULES = ("v_proj", "out_proj", "fc1", "fc2", "gate_proj", "up_proj", "down_proj", "experts")
 
 
-def set_deepnorm_init_gains(layer: nn.Module, config: VanillaTransformerConfig, stack: Stack) -> None:
+def set_deepnorm_init_gains(layer: nn.Module, config: VanillaTransformerConfig, stack: StackName) -> None:
     """Store the DeepNet init gain on each linear map and expert bank of `layer` as `deepnorm_gain`, for
     `_init_weights` to apply.
 
@@ -679,7 +683,7 @@ def cpu_half_precision_attention(config, attention_interface: Callable, query, k
     return attention_interface
 
 
-def build_mlp(config: VanillaTransformerConfig, stack: Stack, layer_idx: int) -> nn.Module:
+def build_mlp(config: VanillaTransformerConfig, stack: StackName, layer_idx: int) -> nn.Module:
     """The position-wise FFN of one layer (§3.3), or a Mixture of Experts in the layers `config.is_moe_layer` picks."""
     ffn_dim = config.encoder_ffn_dim if stack == "encoder" else config.decoder_ffn_dim
     if config.is_moe_layer(stack, layer_idx):
@@ -694,7 +698,7 @@ class VanillaTransformerLayer(nn.Module):
     masked. They, not this base, are the `GradientCheckpointingLayer`s: transformers >= 5.23 wraps the `forward` of
     every subclass of it, so a layer below a second subclass would run two wrappers at every call."""
 
-    stack: Stack
+    stack: StackName
 
     def __init__(self, config: VanillaTransformerConfig, layer_idx: int):
         super().__init__()
@@ -1026,11 +1030,28 @@ class VanillaTransformerDecoder(VanillaTransformerStack):
         inputs_embeds, hidden_states, rotary = self.embed(
             input_ids, inputs_embeds, position_ids, flattened_attention, first_layer, past_length
         )
-        if flattened_attention is None:
-            attention_mask, encoder_attention_mask = self.padded_masks(
-                inputs_embeds, attention_mask, encoder_hidden_states, encoder_attention_mask, cache, position_ids,
-                first_layer, past_length,
-            )  # fmt: skip
+        if flattened_attention is None:  # a padded batch: transformers' masks, built where Bart builds them
+            self_attention_cache = cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
+            # Position ids restarting at 0 without a mask mark sequences packed in one row; transformers finds them
+            # only without a cache, and a dynamic cache this forward starts empty changes nothing else in the mask.
+            starts_dynamic_cache = type(self_attention_cache) is DynamicCache and past_length == 0
+            attention_mask = create_causal_mask(
+                self.config,
+                inputs_embeds,
+                attention_mask,
+                None if starts_dynamic_cache else self_attention_cache,  # positional: `cache` from transformers 5.24
+                position_ids=position_ids,
+                layer_idx=first_layer,
+                allow_is_causal_skip=attention_mask is None,  # deciding it from the mask's values would sync
+            )
+            if encoder_hidden_states is not None:
+                encoder_attention_mask = create_bidirectional_mask(
+                    config=self.config,
+                    inputs_embeds=inputs_embeds,
+                    attention_mask=encoder_attention_mask,
+                    encoder_hidden_states=encoder_hidden_states,
+                    allow_is_bidirectional_skip=encoder_attention_mask is None,
+                )
         hidden_states = self.run_layers(
             hidden_states,
             attention_mask,
@@ -1090,34 +1111,6 @@ class VanillaTransformerDecoder(VanillaTransformerStack):
             self.config, kwargs, self.embed_tokens.weight, self.training, source_shape, shape
         )
         return self_attention, cross_attention
-
-    def padded_masks(
-        self, inputs_embeds, attention_mask, encoder_hidden_states, encoder_attention_mask, cache, position_ids,
-        first_layer: int, past_length: int,
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
-        """transformers' causal mask over the cache and the target, and the mask over the encoder output."""
-        self_attention_cache = cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
-        # Position ids restarting at 0 without a mask mark sequences packed in one row; transformers finds them only
-        # without a cache, and a dynamic cache this forward starts empty changes nothing else in the mask.
-        starts_dynamic_cache = type(self_attention_cache) is DynamicCache and past_length == 0
-        attention_mask = create_causal_mask(
-            self.config,
-            inputs_embeds,
-            attention_mask,
-            None if starts_dynamic_cache else self_attention_cache,  # positional: renamed `cache` in transformers 5.24
-            position_ids=position_ids,
-            layer_idx=first_layer,
-            allow_is_causal_skip=attention_mask is None,  # deciding it from the mask's values would sync
-        )
-        if encoder_hidden_states is not None:
-            encoder_attention_mask = create_bidirectional_mask(
-                config=self.config,
-                inputs_embeds=inputs_embeds,
-                attention_mask=encoder_attention_mask,
-                encoder_hidden_states=encoder_hidden_states,
-                allow_is_bidirectional_skip=encoder_attention_mask is None,
-            )
-        return attention_mask, encoder_attention_mask
 
 
 def base_model_class(config: VanillaTransformerConfig) -> type[VanillaTransformerPreTrainedModel]:

@@ -211,11 +211,6 @@ def stack_flattened_attention(config, kwargs: dict, weight: torch.Tensor, traini
     return FlattenedAttention.of(sequences, sequences, causal, kernel, dtype)
 
 
-def is_flattened(kwargs: dict) -> bool:
-    """Whether a forward's `kwargs` carry a flattened batch's offsets (an encoder-decoder's may give either side)."""
-    return kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None
-
-
 def under_math_sdpa(attention: Callable, *args, **kwargs):
     """`attention` with SDPA restricted to PyTorch's math kernel (see `SHORT_SEQUENCE_ON_CPU`)."""
     with sdpa_kernel(SDPBackend.MATH):
@@ -307,7 +302,6 @@ __all__ = [
     "Sequences",
     "SHORT_SEQUENCE_ON_CPU",
     "VARLEN_IMPLEMENTATIONS",
-    "is_flattened",
     "seq2seq_flattened_attention",
     "shift_packed_labels",
     "stack_flattened_attention",

@@ -48,7 +48,7 @@ class LoadSaveShardMixin:
         declared = HEADS.get(cls.__name__)
         if (
             declared is not None
-            and "encoder-decoder" not in declared.layouts
+            and "encoder-decoder" not in declared.checkpoint_kinds
             and cls.checkpoint_config(pretrained_model_name_or_path, config, kwargs).is_encoder_decoder
         ):
             # Its weights sit under model.encoder / model.decoder, which a single-stack head's `model` does not have:

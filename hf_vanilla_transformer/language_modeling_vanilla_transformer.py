@@ -189,26 +189,20 @@ class VanillaTransformerForConditionalGeneration(LanguageModelingHead, VanillaTr
         else:
             hidden_states = slice_logits_to_keep(hidden_states, logits_to_keep)
         logits = self.lm_head(hidden_states)
-        if router is not None:
-            masks = (attention_mask, decoder_attention_mask)
-            return self.moe_outputs(outputs, logits, labels, router, masks, skip_logits, **kwargs)
-        return Seq2SeqLMOutput(
-            loss=None if labels is None else self.token_loss(logits, labels, **kwargs),
-            logits=None if skip_logits else logits,
-            **{CACHE_FIELD: getattr(outputs, CACHE_FIELD)},
-            decoder_hidden_states=outputs.decoder_hidden_states,
-            decoder_attentions=outputs.decoder_attentions,
-            cross_attentions=outputs.cross_attentions,
-            encoder_last_hidden_state=outputs.encoder_last_hidden_state,
-            encoder_hidden_states=outputs.encoder_hidden_states,
-            encoder_attentions=outputs.encoder_attentions,
-        )
-
-    def moe_outputs(self, outputs, logits, labels, router, masks, skip_logits, **kwargs) -> Seq2SeqMoEOutput:
-        """With experts: the router losses of both stacks, counted over their tokens (`masks`: the source's and the
-        target's), join the gradient through the logits, so that a loss built from them alone (the Trainer's label
-        smoothing) trains the routers too."""
-        attention_mask, decoder_attention_mask = masks
+        model_outputs = {
+            CACHE_FIELD: getattr(outputs, CACHE_FIELD),
+            "decoder_hidden_states": outputs.decoder_hidden_states,
+            "decoder_attentions": outputs.decoder_attentions,
+            "cross_attentions": outputs.cross_attentions,
+            "encoder_last_hidden_state": outputs.encoder_last_hidden_state,
+            "encoder_hidden_states": outputs.encoder_hidden_states,
+            "encoder_attentions": outputs.encoder_attentions,
+        }
+        if router is None:
+            loss = None if labels is None else self.token_loss(logits, labels, **kwargs)
+            return Seq2SeqLMOutput(loss=loss, logits=None if skip_logits else logits, **model_outputs)
+        # With experts: the router losses of both stacks, counted over their tokens, join the gradient through the
+        # logits, so that a loss built from them alone (the Trainer's label smoothing) trains the routers too.
         source_tokens = current_tokens(attention_mask, outputs.encoder_last_hidden_state.shape[1])
         target_tokens = current_tokens(decoder_attention_mask, outputs.last_hidden_state.shape[1])
         logits, loss, router_losses = add_router_losses(
@@ -229,13 +223,7 @@ class VanillaTransformerForConditionalGeneration(LanguageModelingHead, VanillaTr
             decoder_aux_loss=aux.get("decoder"),
             encoder_z_loss=z.get("encoder"),
             decoder_z_loss=z.get("decoder"),
-            **{CACHE_FIELD: getattr(outputs, CACHE_FIELD)},
-            decoder_hidden_states=outputs.decoder_hidden_states,
-            decoder_attentions=outputs.decoder_attentions,
-            cross_attentions=outputs.cross_attentions,
-            encoder_last_hidden_state=outputs.encoder_last_hidden_state,
-            encoder_hidden_states=outputs.encoder_hidden_states,
-            encoder_attentions=outputs.encoder_attentions,
+            **model_outputs,
         )
 
 

@@ -715,8 +715,9 @@ def targets(results: dict) -> list[dict]:
 
 
 def attention_kernel_facts() -> dict:
-    """Which attention a flattened batch runs here: torch's `varlen_attn` (its keywords changed across releases, see
-    ../shared/tools/gpu/README.md) and whether our model calls it on CUDA in bfloat16."""
+    """Which attention a flattened batch runs here: torch's `varlen_attn` (its keywords changed across releases:
+    `is_causal` in torch 2.10/2.11, `scale`, `window_size` and `enable_gqa` from 2.12; see
+    `packing_vanilla_transformer.VARLEN_SIGNATURE`) and whether our model calls it on CUDA in bfloat16."""
     try:
         from torch.nn.attention.varlen import varlen_attn
 

@@ -13,19 +13,19 @@ CheckpointKind = Literal["encoder-decoder", "decoder-only", "encoder-only", "ima
 
 @dataclass(frozen=True)
 class HeadDeclaration:
-    """module        the sibling module that defines the class
-    auto_class    the transformers Auto class that loads it
-    layouts       the kinds of checkpoint whose weights it can load: a head on one stack takes the stack of a
-                  decoder-only or encoder-only checkpoint (a GPT-style classifier starts from a causal LM), never an
-                  encoder-decoder's
-    pipeline_tag  the Hub task of its model card: one transformers 5 has a pipeline for, or None
-    summary       what it is, in the model card
-    usage         the lines after loading that show what it is for, in the model card
-    preprocessor  the Auto class of its preprocessor, saved beside it, and its variable in the usage lines"""
+    """module            the sibling module that defines the class
+    auto_class        the transformers Auto class that loads it
+    checkpoint_kinds  the kinds of checkpoint whose weights it can load: a head on one stack takes the stack of a
+                      decoder-only or encoder-only checkpoint (a GPT-style classifier starts from a causal LM), never
+                      an encoder-decoder's
+    pipeline_tag      the Hub task of its model card: one transformers 5 has a pipeline for, or None
+    summary           what it is, in the model card
+    usage             the lines after loading that show what it is for, in the model card
+    preprocessor      the Auto class of its preprocessor, saved beside it, and its variable in the usage lines"""
 
     module: str
     auto_class: str
-    layouts: tuple[CheckpointKind, ...]
+    checkpoint_kinds: tuple[CheckpointKind, ...]
     pipeline_tag: str | None
     summary: str
     usage: str
@@ -122,7 +122,7 @@ def checkpoint_kind(config, model_class: str | None = None) -> CheckpointKind:
     """The kind of checkpoint a model of class `model_class` (by name) on `config` saves: an image model's own, else
     the stacks the config runs (see `VanillaTransformerConfig.stacks`)."""
     declared = HEADS.get(model_class)
-    if declared is not None and declared.layouts == ("image-encoder",):
+    if declared is not None and declared.checkpoint_kinds == ("image-encoder",):
         return "image-encoder"
     if config.is_encoder_decoder:
         return "encoder-decoder"
@@ -132,7 +132,7 @@ def checkpoint_kind(config, model_class: str | None = None) -> CheckpointKind:
 def loaders(config, model_class: str | None = None) -> dict[str, HeadDeclaration]:
     """The declared classes that can load a checkpoint saved by a model of class `model_class` on `config`."""
     kind = checkpoint_kind(config, model_class)
-    return {name: head for name, head in HEADS.items() if kind in head.layouts}
+    return {name: head for name, head in HEADS.items() if kind in head.checkpoint_kinds}
 
 
 def auto_map(config, model_class: str | None = None) -> dict[str, str]:

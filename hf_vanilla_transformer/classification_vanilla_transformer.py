@@ -7,6 +7,8 @@ stack is `self.model` either way, as in the language-model heads, so every trans
 checkpoint loads under the same name and only the task's output layer is new.
 """
 
+from functools import partial
+
 import torch
 from torch import nn
 from transformers.modeling_outputs import (
@@ -19,11 +21,9 @@ from transformers.utils import TransformersKwargs, can_return_tuple
 
 from .configuration_vanilla_transformer import VanillaTransformerConfig
 from .inputs_vanilla_transformer import (
-    IGNORE_INDEX,
-    check_labels,
     check_sequence_classification_labels,
     check_stack_inputs,
-    current_tokens,
+    check_token_ids,
     labels_outside,
 )
 from .modeling_vanilla_transformer import (
@@ -32,16 +32,11 @@ from .modeling_vanilla_transformer import (
     VanillaTransformerDecoder,
     VanillaTransformerEncoder,
     VanillaTransformerPreTrainedModel,
+    add_router_losses,
+    current_tokens,
+    with_item_count,
 )
-from .router_losses_vanilla_transformer import RouterLosses, RouterRequest, with_router_gradient, with_router_value
-
-
-def with_item_count(kwargs: dict, labels: torch.Tensor) -> dict:
-    """The loss arguments with `num_items_in_batch` (the labels not ignored, at least 1) unless the Trainer passed
-    it: the loss is then a sum over that count, 0 when every label is ignored, where a mean would be NaN."""
-    if kwargs.get("num_items_in_batch") is not None or labels.is_floating_point():
-        return kwargs
-    return {**kwargs, "num_items_in_batch": (labels != IGNORE_INDEX).sum().clamp(min=1)}
+from .router_losses_vanilla_transformer import RouterRequest
 
 
 def runs_causal_decoder(config: VanillaTransformerConfig) -> bool:
@@ -79,6 +74,7 @@ class SingleStackTaskHead(VanillaTransformerPreTrainedModel):
         super().__init__(config)
         stack_class = VanillaTransformerDecoder if config.is_decoder else VanillaTransformerEncoder
         self.model = stack_class(config)
+        self.num_experts = config.num_experts  # read at every step: an attribute, as Mixtral's heads keep it
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.model.embed_tokens
@@ -91,23 +87,23 @@ class SingleStackTaskHead(VanillaTransformerPreTrainedModel):
         input_ids: torch.LongTensor | None,
         attention_mask: torch.Tensor | None,
         inputs_embeds: torch.Tensor | None,
-        labels: torch.Tensor | None,
-        output_router_logits: bool | None,
+        router: RouterRequest | None,
         **kwargs: Unpack[TransformersKwargs],
-    ) -> tuple[MoeEncoderOutput, RouterLosses | None]:
-        """The stack's outputs, and the router losses of its MoE layers (None without experts, or when not computed:
-        see `RouterRequest` for when, given the `labels`, None without a loss)."""
+    ) -> MoeEncoderOutput:
+        """The stack's outputs, with the router logits of its MoE layers where `router` (the head's request) computes
+        their losses."""
         if self.outputs_per_sequence and kwargs.get("cu_seq_lens_q") is not None:
             raise ValueError(
                 f"{type(self).__name__} has one output per sequence and cannot take a flattened batch "
                 "(cu_seq_lens_q/k): pass the sequences padded, with an attention_mask."
             )
-        check_stack_inputs(self.config, input_ids, inputs_embeds, attention_mask, None, None, kwargs)
-        router = RouterRequest.of(self.config, labels, output_router_logits) if self.config.num_experts else None
+        check_stack_inputs(
+            self.config, input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask, offsets=kwargs
+        )
         if self.config.is_decoder:
             # One pass over the whole input, no cache to fill; positions restart at each row's first token.
             kwargs = dict(kwargs, use_cache=False, position_ids=positions_after_left_padding(attention_mask))
-        outputs = self.model(
+        return self.model(
             return_dict=True,  # the head reads fields; its own return_dict applies to its output
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -116,11 +112,15 @@ class SingleStackTaskHead(VanillaTransformerPreTrainedModel):
             check_inputs=False,
             **kwargs,
         )
-        if router is None:
-            return outputs, None
+
+    def with_router_losses(self, router, logits, loss_of, outputs, attention_mask) -> tuple:
+        """(logits, loss) with the router losses of the stack's MoE layers, over its tokens (`add_router_losses`)."""
         tokens = current_tokens(attention_mask, outputs.last_hidden_state.shape[1])
         stack = "decoder" if self.config.is_decoder else "encoder"
-        return outputs, router.losses(self.config, **{stack: (outputs.router_logits, tokens)})
+        logits, loss, _ = add_router_losses(
+            self.config, router, logits, loss_of, **{stack: (outputs.router_logits, tokens)}
+        )
+        return logits, loss
 
 
 class ClassifierHead(SingleStackTaskHead):
@@ -151,16 +151,15 @@ class ClassifierHead(SingleStackTaskHead):
             regression; `config.problem_type` decides, as in transformers' own classifiers). Token classification:
             a class index per token, `(batch_size, length)`, -100 where ignored (padding, continuation word pieces).
         """
-        outputs, router_losses = self.run_stack(
-            input_ids, attention_mask, inputs_embeds, labels, output_router_logits, **kwargs
-        )
+        router = RouterRequest.of(self.config, labels, output_router_logits) if self.num_experts else None
+        outputs = self.run_stack(input_ids, attention_mask, inputs_embeds, router, **kwargs)
         states = self.classified_states(outputs.last_hidden_state, attention_mask, input_ids)
         logits = self.classifier(self.dropout(states))
-        if router_losses is None:
-            loss = self.classification_loss(logits, labels, **kwargs)
-        else:  # the router losses join the gradient through the logits, and the loss as a value (attach_router_loss)
-            logits = with_router_gradient(logits, router_losses)
-            loss = with_router_value(self.classification_loss(logits, labels, **kwargs), router_losses)
+        loss_of = partial(self.classification_loss, labels=labels, **kwargs)
+        if router is None:
+            loss = loss_of(logits)
+        else:
+            logits, loss = self.with_router_losses(router, logits, loss_of, outputs, attention_mask)
         return self.output_class(
             loss=loss,
             logits=logits,
@@ -219,9 +218,15 @@ class VanillaTransformerForTokenClassification(ClassifierHead):
     def classification_loss(self, logits: torch.Tensor, labels: torch.Tensor | None, **kwargs) -> torch.Tensor | None:
         if labels is None:
             return None
-        check_labels(labels, logits.shape[:2])
+        check_token_ids(labels, "labels", logits.shape[:2], "class ids (-100 where ignored)")
         with labels_outside(self.config.num_labels):
             return self.loss_function(logits, labels, self.config, **with_item_count(kwargs, labels))
+
+
+def split_span_logits(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(batch, length, 2) -> the start and the end scores, each (batch, length)."""
+    start_logits, end_logits = (scores.contiguous() for scores in logits.unbind(dim=-1))
+    return start_logits, end_logits
 
 
 class VanillaTransformerForQuestionAnswering(SingleStackTaskHead):
@@ -234,6 +239,12 @@ class VanillaTransformerForQuestionAnswering(SingleStackTaskHead):
         super().__init__(config)
         self.qa_outputs = nn.Linear(self.config.d_model, 2)
         self.post_init()
+
+    def span_loss(self, logits, start_positions, end_positions, **kwargs) -> torch.Tensor | None:
+        """transformers' QA loss over the answer spans, None without them."""
+        if start_positions is None or end_positions is None:
+            return None
+        return self.loss_function(*split_span_logits(logits), start_positions, end_positions, **kwargs)
 
     @can_return_tuple
     def forward(
@@ -252,18 +263,15 @@ class VanillaTransformerForQuestionAnswering(SingleStackTaskHead):
             transformers' QA heads.
         """
         labels = None if start_positions is None or end_positions is None else start_positions
-        outputs, router_losses = self.run_stack(
-            input_ids, attention_mask, inputs_embeds, labels, output_router_logits, **kwargs
-        )
+        router = RouterRequest.of(self.config, labels, output_router_logits) if self.num_experts else None
+        outputs = self.run_stack(input_ids, attention_mask, inputs_embeds, router, **kwargs)
         logits = self.qa_outputs(outputs.last_hidden_state)
-        if router_losses is not None:  # before the split, so that a loss built from either half carries them once
-            logits = with_router_gradient(logits, router_losses)
-        start_logits, end_logits = (scores.contiguous() for scores in logits.unbind(dim=-1))
-        loss = None
-        if labels is not None:
-            loss = self.loss_function(start_logits, end_logits, start_positions, end_positions, **kwargs)
-        if router_losses is not None:
-            loss = with_router_value(loss, router_losses)
+        loss_of = partial(self.span_loss, start_positions=start_positions, end_positions=end_positions, **kwargs)
+        if router is None:
+            loss = loss_of(logits)
+        else:  # before the split, so that a loss built from either half carries them once
+            logits, loss = self.with_router_losses(router, logits, loss_of, outputs, attention_mask)
+        start_logits, end_logits = split_span_logits(logits)
         return QuestionAnsweringModelOutput(
             loss=loss,
             start_logits=start_logits,

@@ -18,7 +18,7 @@ from .packing_vanilla_transformer import varlen_kernel
 
 logger = logging.get_logger(__name__)
 
-Layout = Literal["flattened", "padded"]
+BatchLayout = Literal["flattened", "padded"]
 # Padded batches' length is a multiple of 8 unless asked otherwise: tensor cores' multiple in half precision.
 PADDED_MULTIPLE_OF = 8
 
@@ -265,7 +265,7 @@ def positions_of(sequences: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([torch.arange(len(sequence)) for sequence in sequences])[None]
 
 
-def layout_choice(model, device: torch.device | str, half_precision: bool) -> tuple[Layout, str]:
+def layout_choice(model, device: torch.device | str, half_precision: bool) -> tuple[BatchLayout, str]:
     """`preferred_layout` and the reason for it, for the log."""
     device = torch.device(device)
     model_type = getattr(model.config, "model_type", None)
@@ -284,7 +284,7 @@ def layout_choice(model, device: torch.device | str, half_precision: bool) -> tu
     )
 
 
-def preferred_layout(model, device: torch.device | str, half_precision: bool) -> Layout:
+def preferred_layout(model, device: torch.device | str, half_precision: bool) -> BatchLayout:
     """The layout of a training run's batches that is not slower than the other one on `device`: "flattened" on the
     CPU (it skips the padding in every position-wise layer, the bulk of the work there) and where a variable-length
     attention kernel runs (`varlen_kernel`, which the model asks too: transformers' flash integration, or CUDA in

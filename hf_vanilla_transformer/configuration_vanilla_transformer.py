@@ -14,7 +14,7 @@ from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 from transformers.utils.type_validators import interval, positive_int_field
 
-Stack = Literal["encoder", "decoder"]
+StackName = Literal["encoder", "decoder"]
 NormType = Literal["layernorm", "rmsnorm"]
 NormPosition = Literal["post", "pre", "sandwich", "deepnorm"]
 FfnType = Literal["relu", "gelu", "swish", "glu", "bilinear", "reglu", "geglu", "swiglu"]
@@ -473,7 +473,7 @@ class VanillaTransformerConfig(PreTrainedConfig):
     # ------------------------------------------------------------------ the stacks a model runs
 
     @property
-    def stacks(self) -> tuple[Stack, ...]:
+    def stacks(self) -> tuple[StackName, ...]:
         """The stacks a model built from this config runs: both for an encoder-decoder, else the decoder
         (`is_decoder=True`, GPT-style) or the encoder (BERT-style)."""
         if self.is_encoder_decoder:
@@ -481,10 +481,10 @@ class VanillaTransformerConfig(PreTrainedConfig):
         return ("decoder",) if self.is_decoder else ("encoder",)
 
     @property
-    def _named_stack(self) -> Stack:
+    def _named_stack(self) -> StackName:
         """The stack the generic size names describe: the decoder of a decoder-only model, else the encoder (BART's
         convention for an encoder-decoder, whose `get_text_config(decoder=True)` renames the decoder's sizes)."""
-        return "decoder" if self.stacks == ("decoder",) else "encoder"
+        return "decoder" if self.is_decoder and not self.is_encoder_decoder else "encoder"
 
     @property
     def num_hidden_layers(self) -> int:
@@ -508,11 +508,11 @@ class VanillaTransformerConfig(PreTrainedConfig):
         given = self.__dict__.get("num_key_value_heads")
         return num_attention_heads if given is None else given
 
-    def for_single_stack(self, stack: Stack) -> "VanillaTransformerConfig":
+    def for_single_stack(self, stack: StackName) -> "VanillaTransformerConfig":
         """A validated copy for a model that runs one stack: `"decoder"` (causal, no cross-attention) or `"encoder"`.
         A deep copy keeps the load-time settings (`attn_implementation`, dtype) that `to_dict` would drop."""
-        if stack not in get_args(Stack):
-            raise ValueError(f"stack={stack!r} is not one of {get_args(Stack)}.")
+        if stack not in get_args(StackName):
+            raise ValueError(f"stack={stack!r} is not one of {get_args(StackName)}.")
         config = copy.deepcopy(self)
         config.is_encoder_decoder = False
         config.is_decoder = stack == "decoder"
@@ -528,7 +528,7 @@ class VanillaTransformerConfig(PreTrainedConfig):
             return self.gated_ffn_dim
         return self.ffn_multiple_of * math.ceil(2 * ffn_dim / 3 / self.ffn_multiple_of)
 
-    def is_moe_layer(self, stack: Stack, layer_idx: int) -> bool:
+    def is_moe_layer(self, stack: StackName, layer_idx: int) -> bool:
         """Whether layer `layer_idx` of `stack` carries a Mixture-of-Experts FFN."""
         in_stack = self.moe_stacks in (stack, "both")
         return self.num_experts > 0 and in_stack and (layer_idx + 1) % self.moe_layer_frequency == 0
@@ -557,4 +557,4 @@ def is_label_id(key: Any) -> bool:
     return isinstance(key, int) and not isinstance(key, bool)
 
 
-__all__ = ["GATED_FFN_TYPES", "PRESETS", "Stack", "VanillaTransformerConfig"]
+__all__ = ["GATED_FFN_TYPES", "PRESETS", "StackName", "VanillaTransformerConfig"]

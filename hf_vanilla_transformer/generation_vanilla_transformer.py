@@ -58,10 +58,6 @@ GNMT_HOOKS_FIT = _takes_keywords(
 )
 
 
-def _not_remote_code() -> bool:
-    return False
-
-
 class VanillaTransformerGenerationMixin(GenerationMixin):
     """`GenerationMixin` whose beam search can rank finished hypotheses with the GNMT length penalty, and whose
     decoding steps take the path transformers takes for its own models.
@@ -144,7 +140,7 @@ class VanillaTransformerGenerationMixin(GenerationMixin):
         if self._forward_takes_cache_position:
             return super().prepare_inputs_for_generation(input_ids, **kwargs)
         instance = vars(self)
-        instance["is_remote_code"] = _not_remote_code
+        instance["is_remote_code"] = bool  # `bool()` is False, answered in C: no Python call at the step
         try:
             return super().prepare_inputs_for_generation(input_ids, **kwargs)
         finally:

@@ -13,6 +13,7 @@ pipeline.
 """
 
 import math
+from functools import partial
 
 import torch
 from torch import nn
@@ -28,9 +29,9 @@ from .modeling_vanilla_transformer import (
     MoeEncoderOutput,
     VanillaTransformerEncoder,
     VanillaTransformerPreTrainedModel,
+    add_router_losses,
 )
-from .packing_vanilla_transformer import stack_layout
-from .router_losses_vanilla_transformer import RouterRequest, with_router_gradient, with_router_value
+from .router_losses_vanilla_transformer import RouterRequest
 
 
 def height_and_width(value: int | list[int] | tuple[int, int], name: str) -> tuple[int, int]:
@@ -72,8 +73,9 @@ def check_image_config(config: VanillaTransformerConfig) -> None:
 
 
 # What an image classifier's config holds where the caller says nothing: the encoder alone, learned positions (ViT
-# §3.1), no vocabulary or special tokens (its tokens are patches; the token embedding is never built into it), and
-# Xavier init, which learned the digits better than N(0, 0.02) with the same recipe (docs/images.md).
+# §3.1), no vocabulary or special tokens (its tokens are patches: the encoder's token embedding, one row here, is
+# deleted as soon as it is built), and Xavier init, which learned the digits better than N(0, 0.02) with the same
+# recipe (docs/images.md).
 IMAGE_DEFAULTS = dict(
     is_encoder_decoder=False,
     is_decoder=False,
@@ -173,11 +175,7 @@ class VanillaTransformerImageEncoder(VanillaTransformerImagePreTrainedModel, Van
         self.post_init()
 
     def forward(self, pixel_values: torch.Tensor, **kwargs: Unpack[TransformersKwargs]) -> MoeEncoderOutput:
-        patches = self.patch_embeddings(pixel_values)
-        # The layout an encoder builds from its token embedding's weight, here from the patch projection's.
-        weight, shape = self.patch_embeddings.projection.weight, patches.shape[:2]
-        layout = stack_layout(self.config, kwargs, weight, self.training, shape, causal=False)
-        return super().forward(inputs_embeds=patches, attention_layout=layout, **kwargs)
+        return super().forward(inputs_embeds=self.patch_embeddings(pixel_values), **kwargs)
 
 
 class VanillaTransformerForImageClassification(VanillaTransformerImagePreTrainedModel):
@@ -190,6 +188,7 @@ class VanillaTransformerForImageClassification(VanillaTransformerImagePreTrained
         super().__init__(config)
         self.model = VanillaTransformerImageEncoder(config)
         self.dropout = Dropout(config.classifier_dropout)
+        self.num_experts = config.num_experts  # read at every step: an attribute, as Mixtral's heads keep it
         self.classifier = nn.Linear(config.d_model, config.num_labels)
         self.post_init()
 
@@ -223,17 +222,17 @@ class VanillaTransformerForImageClassification(VanillaTransformerImagePreTrained
         check_sequence_classification_labels(
             labels, pixel_values.shape[0], self.config.num_labels, self.config.problem_type
         )
-        router = RouterRequest.of(self.config, labels, output_router_logits) if self.config.num_experts else None
+        router = RouterRequest.of(self.config, labels, output_router_logits) if self.num_experts else None
         outputs = self.model(
             pixel_values, output_router_logits=router is not None and router.compute, return_dict=True, **kwargs
         )
         logits = self.classifier(self.dropout(self.pooled(outputs.last_hidden_state)))
+        loss_of = partial(self.classification_loss, labels=labels, **kwargs)
         if router is None:
-            loss = self.classification_loss(logits, labels, **kwargs)
-        else:  # the router losses join the gradient through the logits, and the loss as a value (attach_router_loss)
-            router_losses = router.losses(self.config, encoder=(outputs.router_logits, None))
-            logits = with_router_gradient(logits, router_losses)
-            loss = with_router_value(self.classification_loss(logits, labels, **kwargs), router_losses)
+            loss = loss_of(logits)
+        else:  # every patch is a token: no padding to leave out of the router losses
+            stacks = dict(encoder=(outputs.router_logits, None))
+            logits, loss, _ = add_router_losses(self.config, router, logits, loss_of, **stacks)
         return ImageClassifierOutput(
             loss=loss,
             logits=logits,

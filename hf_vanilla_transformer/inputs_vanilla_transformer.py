@@ -51,34 +51,27 @@ def labels_outside(num_classes: int, name: str = "labels"):
     return raises_value_error(IndexError, f"{name} must hold ids in [0, {num_classes}) or {IGNORE_INDEX} (ignored)")
 
 
-def current_tokens(attention_mask: torch.Tensor | None, length: int) -> torch.Tensor | None:
-    """The tokens among the last `length` columns of a 2D padding mask, (batch, length) bool: the positions of this
-    forward (the mask of a decoding step also covers the cache). None for no mask or a 4D one, which says nothing
-    about padding."""
-    if attention_mask is None or attention_mask.dim() != 2:
-        return None
-    return attention_mask[:, -length:].bool()
-
-
 # ---------------------------------------------------------------------------------------------- one tensor
 
 
-def check_token_ids(input_ids: Any, name: str = "input_ids", shape: tuple[int, int] | None = None) -> None:
-    """Token ids (or token labels): an integer (batch, length) tensor with at least one sequence of at least one
-    token, of `shape` where given (labels: the shape of the outputs they score). The embedding checks that ids are
-    inside the vocabulary, the loss that labels are."""
+def check_token_ids(
+    input_ids: Any, name: str = "input_ids", shape: tuple[int, ...] | None = None, what: str = "token ids"
+) -> None:
+    """Token ids, token labels or class labels (`what`): an integer tensor, (batch, length) with at least one sequence
+    of at least one token, of `shape` where given (labels: the shape of the outputs they score; class labels (batch,)).
+    The embedding checks that ids are inside the vocabulary, the loss that labels are (`labels_outside`)."""
     if not isinstance(input_ids, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(input_ids).__name__}.")
     if input_ids.dtype == torch.bool or input_ids.is_floating_point() or input_ids.is_complex():
-        raise TypeError(f"{name} must hold integer token ids (torch.long), got dtype {input_ids.dtype}.")
-    if input_ids.dim() != 2:
+        raise TypeError(f"{name} must hold integer {what} (torch.long), got dtype {input_ids.dtype}.")
+    if input_ids.dim() != 2 and (shape is None or len(shape) == 2):
         raise ValueError(
             f"{name} must be 2-D (batch, length), got shape {tuple(input_ids.shape)}"
             + (": add a batch dimension, e.g. input_ids[None]." if input_ids.dim() == 1 else ".")
         )
-    if input_ids.numel() == 0:
+    if input_ids.numel() == 0 and shape is None:
         raise ValueError(f"{name} has shape {tuple(input_ids.shape)}; expected at least one sequence of one token.")
-    if shape is not None and input_ids.shape != shape:
+    if shape is not None and tuple(input_ids.shape) != tuple(shape):
         raise ValueError(
             f"{name} has shape {tuple(input_ids.shape)}, expected the shape of the outputs they score = {tuple(shape)}."
         )
@@ -166,29 +159,30 @@ def check_offsets(cu_seq_lens: Any, max_length: Any, shape: tuple[int, int], sid
 # ---------------------------------------------------------------------------------------------- entry points
 
 
-def mask_key_length(past_key_values: Any, length: int, first_layer: int = 0) -> int | None:
+def mask_key_length(cache: Any, length: int, first_layer: int = 0) -> int | None:
     """The key length of a decoder's mask: the cache's and this forward's tokens, or None for a static cache, whose
     masks span the whole cache. `first_layer`: the first layer this rank runs, whose cache holds the decoded length
     (a later rank of a pipeline runs none before it)."""
-    if getattr(past_key_values, "is_compileable", False):
+    if getattr(cache, "is_compileable", False):
         return None
-    return length + (past_key_values.get_seq_length(first_layer) if past_key_values is not None else 0)
+    return length + (cache.get_seq_length(first_layer) if cache is not None else 0)
 
 
 def check_stack_inputs(
     config,
+    *,
     input_ids: torch.Tensor | None,
     inputs_embeds: torch.Tensor | None,
-    attention_mask: torch.Tensor | None,
+    attention_mask: torch.Tensor | None = None,
     position_ids: torch.Tensor | None = None,
-    past_key_values: Any = None,
+    cache: Any = None,
     offsets: dict | None = None,
     prefix: str = "",
     labels: torch.Tensor | None = None,
     first_layer: int = 0,
 ) -> None:
     """Everything one stack reads: exactly one of its ids or embeddings, its positions, its mask (over the keys of
-    the cache `past_key_values` and the inputs), run alone on a flattened batch the offsets in `offsets` (a stack's
+    the decoder `cache` and the inputs), run alone on a flattened batch the offsets in `offsets` (a stack's
     "q" side; transformers' collator gives "k" too, equal), and a language-model head's token `labels`, aligned with
     the inputs. `prefix`: "decoder_" for the target side of an encoder-decoder, as the caller names its inputs;
     `first_layer`: see `mask_key_length`."""
@@ -208,7 +202,7 @@ def check_stack_inputs(
             )
         require((position_ids >= 0).all(), "position_ids must be >= 0.")
     if attention_mask is not None:
-        key_length = mask_key_length(past_key_values, length, first_layer)
+        key_length = mask_key_length(cache, length, first_layer)
         check_attention_mask(attention_mask, batch_size, length, key_length, f"{prefix}attention_mask")
     if labels is not None:
         check_token_ids(labels, f"labels (aligned with {prefix}input_ids)", (batch_size, length))
@@ -218,34 +212,47 @@ def check_stack_inputs(
 
 def check_seq2seq_inputs(
     config,
-    input_ids: torch.Tensor | None,
-    attention_mask: torch.Tensor | None,
-    inputs_embeds: torch.Tensor | None,
-    encoder_outputs: Any,
-    decoder_input_ids: torch.Tensor | None,
-    decoder_attention_mask: torch.Tensor | None,
-    decoder_inputs_embeds: torch.Tensor | None,
-    past_key_values: Any = None,
+    *,
+    input_ids: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    inputs_embeds: torch.Tensor | None = None,
+    encoder_hidden_states: Any = None,
+    decoder_input_ids: torch.Tensor | None = None,
+    decoder_attention_mask: torch.Tensor | None = None,
+    decoder_inputs_embeds: torch.Tensor | None = None,
+    cache: Any = None,
     labels: torch.Tensor | None = None,
     kwargs: dict | None = None,
     skip_logits: bool = False,
 ) -> None:
-    """Everything an encoder-decoder reads, in one call: the source (or the given encoder output and the mask over
-    it), the target (absent where the labels will be shifted into it), the labels aligned with the target (needed
+    """Everything an encoder-decoder reads, in one call: the source (or the given encoder output's states and the mask
+    over them), the target (absent where the labels will be shifted into it), the labels aligned with the target (needed
     with `skip_logits`), and a flattened batch's offsets (`kwargs`, which also carry the position ids)."""
     kwargs = kwargs or {}
-    if encoder_outputs is None:
-        check_stack_inputs(config, input_ids, inputs_embeds, attention_mask, kwargs.get("position_ids"))
+    if encoder_hidden_states is None:
+        check_stack_inputs(
+            config,
+            input_ids=input_ids,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            position_ids=kwargs.get("position_ids"),
+        )
         source = input_ids if input_ids is not None else inputs_embeds
     else:  # generate passes the encoder output at every step; the mask over it is checked against its shape
-        source = encoder_outputs[0]
+        source = encoder_hidden_states
         check_inputs_embeds(source, config.d_model, "encoder_outputs.last_hidden_state")
-        check_attention_mask(attention_mask, source.shape[0], 1, source.shape[1], "attention_mask")
+        if attention_mask is not None:  # generate drops a mask without padding: no call at its steps
+            check_attention_mask(attention_mask, source.shape[0], 1, source.shape[1], "attention_mask")
     target = decoder_input_ids if decoder_input_ids is not None else decoder_inputs_embeds
     if target is not None:
-        mask, positions = decoder_attention_mask, kwargs.get("decoder_position_ids")
         check_stack_inputs(
-            config, decoder_input_ids, decoder_inputs_embeds, mask, positions, past_key_values, None, "decoder_"
+            config,
+            input_ids=decoder_input_ids,
+            inputs_embeds=decoder_inputs_embeds,
+            attention_mask=decoder_attention_mask,
+            position_ids=kwargs.get("decoder_position_ids"),
+            cache=cache,
+            prefix="decoder_",
         )
     if skip_logits and labels is None:
         raise ValueError(SKIP_LOGITS_WITHOUT_LABELS)
@@ -292,22 +299,6 @@ def check_can_shift_labels(pad_token_id: int | None, decoder_start_token_id: int
 # ---------------------------------------------------------------------------------------------- classifiers
 
 
-def check_labels(labels: torch.Tensor | None, expected_shape: tuple[int, ...], name: str = "labels") -> None:
-    """Class labels: integer, of `expected_shape`. Their values, each in [0, num_classes) or -100 (ignored), are
-    checked by the loss (`labels_outside`)."""
-    if labels is None:
-        return
-    if not isinstance(labels, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(labels).__name__}.")
-    if labels.dtype == torch.bool or labels.is_floating_point() or labels.is_complex():
-        raise TypeError(f"{name} must hold integer class ids (-100 where ignored) (torch.long), got {labels.dtype}.")
-    if tuple(labels.shape) != tuple(expected_shape):
-        raise ValueError(
-            f"{name} has shape {tuple(labels.shape)}, expected the shape of the outputs they score = "
-            f"{tuple(expected_shape)}."
-        )
-
-
 def check_sequence_classification_labels(
     labels: torch.Tensor | None, batch_size: int, num_labels: int, problem_type: str | None
 ) -> None:
@@ -324,7 +315,7 @@ def check_sequence_classification_labels(
         problem_type = "regression" if num_labels == 1 else "single_label_classification" if is_class_id else None
         problem_type = problem_type or "multi_label_classification"
     if problem_type == "single_label_classification":
-        check_labels(labels, (batch_size,))
+        check_token_ids(labels, "labels", (batch_size,), "class ids (-100 where ignored)")
         return
     if not labels.is_floating_point():
         raise TypeError(f"labels for problem_type={problem_type!r} must be floating point, got dtype {labels.dtype}.")
@@ -342,7 +333,6 @@ __all__ = [
     "check_attention_mask",
     "check_can_shift_labels",
     "check_inputs_embeds",
-    "check_labels",
     "check_offsets",
     "check_seq2seq_inputs",
     "check_sequence_classification_labels",
@@ -350,7 +340,6 @@ __all__ = [
     "check_stack_inputs",
     "check_token_ids",
     "mask_key_length",
-    "current_tokens",
     "labels_outside",
     "raises_value_error",
     "require",

@@ -6,6 +6,8 @@ Each `forward` reads as Mixtral's: the model, `lm_head`, `loss_function`, and wi
 batch may come padded or flattened (packing_vanilla_transformer); the heads read neither layout's values on the host.
 """
 
+from functools import partial
+
 import torch
 from torch import nn
 from transformers.cache_utils import Cache
@@ -29,7 +31,6 @@ from .inputs_vanilla_transformer import (
     check_can_shift_labels,
     check_seq2seq_inputs,
     check_stack_inputs,
-    current_tokens,
 )
 from .modeling_vanilla_transformer import (
     CACHE_FIELD,
@@ -38,10 +39,13 @@ from .modeling_vanilla_transformer import (
     VanillaTransformerEncoder,
     VanillaTransformerModel,
     VanillaTransformerPreTrainedModel,
+    add_router_losses,
+    current_tokens,
     given_cache,
+    with_item_count,
 )
 from .packing_vanilla_transformer import shift_packed_labels
-from .router_losses_vanilla_transformer import RouterRequest, with_router_gradient, with_router_value
+from .router_losses_vanilla_transformer import RouterRequest
 
 
 def require_encoder_decoder(config: VanillaTransformerConfig) -> None:
@@ -64,14 +68,10 @@ class LanguageModelingHead(VanillaTransformerPreTrainedModel):
     """What the language-model heads share: the token loss."""
 
     def token_loss(self, logits: torch.Tensor, targets: torch.Tensor | None, **kwargs) -> torch.Tensor | None:
-        """transformers' loss over the targets. Summed over tokens and divided by `num_items_in_batch` when the
-        Trainer passes it: exact under gradient accumulation, unlike a per-batch mean. Otherwise divided by the
-        counted tokens, at least 1 (a tensor: no sync), so that a batch whose labels are all ignored has loss 0
-        rather than the NaN of an empty mean."""
+        """transformers' loss over the targets, summed over tokens and divided by their count (`with_item_count`)."""
         if targets is None:
             return None
-        if kwargs.get("num_items_in_batch") is None:
-            kwargs["num_items_in_batch"] = (targets != IGNORE_INDEX).sum().clamp(min=1)
+        kwargs = with_item_count(kwargs, targets)
         try:  # the loss checks the labels itself (on an accelerator its kernel asserts on the device)
             return self.loss_function(logits, targets.contiguous(), vocab_size=self.config.vocab_size, **kwargs)
         except IndexError as error:
@@ -91,6 +91,7 @@ class VanillaTransformerForConditionalGeneration(LanguageModelingHead, VanillaTr
     def __init__(self, config: VanillaTransformerConfig):
         require_encoder_decoder(config)
         super().__init__(config)
+        self.num_experts = config.num_experts  # read at every step: an attribute, as Mixtral's heads keep it
         self.model = VanillaTransformerModel(config)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=config.lm_head_bias)
         # Labels are aligned with the decoder outputs already; the class-name default (ForCausalLM) would shift them.
@@ -148,13 +149,25 @@ class VanillaTransformerForConditionalGeneration(LanguageModelingHead, VanillaTr
         With experts (`num_experts > 0`) the output is a `Seq2SeqMoEOutput` with per-stack balancing and z-losses;
         their weighted sum is already in the gradient of any loss built from `logits` (see `attach_router_loss`).
         """
-        cache = given_cache(cache, past_key_values)
-        check_seq2seq_inputs(self.config, input_ids, attention_mask, inputs_embeds, encoder_outputs, decoder_input_ids,
-                             decoder_attention_mask, decoder_inputs_embeds, cache, labels, kwargs,
-                             skip_logits)  # fmt: skip
+        if past_key_values is not None:  # from transformers 5.24 generate passes `cache`: no call at its steps
+            cache = given_cache(cache, past_key_values)
+        check_seq2seq_inputs(
+            self.config,
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            inputs_embeds=inputs_embeds,
+            encoder_hidden_states=None if encoder_outputs is None else encoder_outputs[0],
+            decoder_input_ids=decoder_input_ids,
+            decoder_attention_mask=decoder_attention_mask,
+            decoder_inputs_embeds=decoder_inputs_embeds,
+            cache=cache,
+            labels=labels,
+            kwargs=kwargs,
+            skip_logits=skip_logits,
+        )
         if labels is not None and decoder_input_ids is None and decoder_inputs_embeds is None:
             decoder_input_ids = self.prepare_decoder_input_ids_from_labels(labels, kwargs.get("cu_seq_lens_q"))
-        router = RouterRequest.of(self.config, labels, output_router_logits) if self.config.num_experts else None
+        router = RouterRequest.of(self.config, labels, output_router_logits) if self.num_experts else None
         outputs = self.model(
             input_ids,
             return_dict=True,  # the head reads fields; its own return_dict applies to its output
@@ -170,36 +183,36 @@ class VanillaTransformerForConditionalGeneration(LanguageModelingHead, VanillaTr
             check_inputs=False,
             **kwargs,
         )
-        logits = self.lm_head(slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep))
-        if router is not None:
-            masks = (attention_mask, decoder_attention_mask)
-            return self.moe_outputs(outputs, logits, labels, router, masks, skip_logits, **kwargs)
-        return Seq2SeqLMOutput(
-            loss=self.token_loss(logits, labels, **kwargs),
-            logits=None if skip_logits else logits,
-            **{CACHE_FIELD: getattr(outputs, CACHE_FIELD)},
-            decoder_hidden_states=outputs.decoder_hidden_states,
-            decoder_attentions=outputs.decoder_attentions,
-            cross_attentions=outputs.cross_attentions,
-            encoder_last_hidden_state=outputs.encoder_last_hidden_state,
-            encoder_hidden_states=outputs.encoder_hidden_states,
-            encoder_attentions=outputs.encoder_attentions,
-        )
-
-    def moe_outputs(self, outputs, logits, labels, router, masks, skip_logits, **kwargs) -> Seq2SeqMoEOutput:
-        """With experts: the router losses of both stacks, counted over their tokens (`masks`: the source's and the
-        target's), join the gradient through the logits, so that a loss built from them alone (the Trainer's label
-        smoothing) trains the routers too."""
-        attention_mask, decoder_attention_mask = masks
+        hidden_states = outputs.last_hidden_state
+        if isinstance(logits_to_keep, int):  # generate's 1 at every step, sliced inline as Llama does: one call less
+            hidden_states = hidden_states[:, -logits_to_keep:]
+        else:
+            hidden_states = slice_logits_to_keep(hidden_states, logits_to_keep)
+        logits = self.lm_head(hidden_states)
+        model_outputs = {
+            CACHE_FIELD: getattr(outputs, CACHE_FIELD),
+            "decoder_hidden_states": outputs.decoder_hidden_states,
+            "decoder_attentions": outputs.decoder_attentions,
+            "cross_attentions": outputs.cross_attentions,
+            "encoder_last_hidden_state": outputs.encoder_last_hidden_state,
+            "encoder_hidden_states": outputs.encoder_hidden_states,
+            "encoder_attentions": outputs.encoder_attentions,
+        }
+        if router is None:
+            loss = None if labels is None else self.token_loss(logits, labels, **kwargs)
+            return Seq2SeqLMOutput(loss=loss, logits=None if skip_logits else logits, **model_outputs)
+        # With experts: the router losses of both stacks, counted over their tokens, join the gradient through the
+        # logits, so that a loss built from them alone (the Trainer's label smoothing) trains the routers too.
         source_tokens = current_tokens(attention_mask, outputs.encoder_last_hidden_state.shape[1])
         target_tokens = current_tokens(decoder_attention_mask, outputs.last_hidden_state.shape[1])
-        router_losses = router.losses(
+        logits, loss, router_losses = add_router_losses(
             self.config,
+            router,
+            logits,
+            partial(self.token_loss, targets=labels, **kwargs),
             encoder=(outputs.encoder_router_logits, source_tokens),
             decoder=(outputs.decoder_router_logits, target_tokens),
         )
-        logits = with_router_gradient(logits, router_losses)
-        loss = with_router_value(self.token_loss(logits, labels, **kwargs), router_losses)
         aux, z = (router_losses.aux, router_losses.z) if router.report else ({}, {})
         return Seq2SeqMoEOutput(
             loss=loss,
@@ -210,13 +223,7 @@ class VanillaTransformerForConditionalGeneration(LanguageModelingHead, VanillaTr
             decoder_aux_loss=aux.get("decoder"),
             encoder_z_loss=z.get("encoder"),
             decoder_z_loss=z.get("decoder"),
-            **{CACHE_FIELD: getattr(outputs, CACHE_FIELD)},
-            decoder_hidden_states=outputs.decoder_hidden_states,
-            decoder_attentions=outputs.decoder_attentions,
-            cross_attentions=outputs.cross_attentions,
-            encoder_last_hidden_state=outputs.encoder_last_hidden_state,
-            encoder_hidden_states=outputs.encoder_hidden_states,
-            encoder_attentions=outputs.encoder_attentions,
+            **model_outputs,
         )
 
 
@@ -230,6 +237,7 @@ class VanillaTransformerForCausalLM(LanguageModelingHead, VanillaTransformerGene
     def __init__(self, config: VanillaTransformerConfig):
         config = config.for_single_stack("decoder")
         super().__init__(config)
+        self.num_experts = config.num_experts  # read at every step: an attribute, as Mixtral's heads keep it
         self.model = VanillaTransformerDecoder(config)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=config.lm_head_bias)
         # The head shifts the labels itself (`next_token_targets`), so the loss must not shift them again.
@@ -274,12 +282,20 @@ class VanillaTransformerForCausalLM(LanguageModelingHead, VanillaTransformerGene
         """
         cache, first_layer = given_cache(cache, past_key_values), self.model.first_layer_run
         check_stack_inputs(
-            self.config, input_ids, inputs_embeds, attention_mask, position_ids, cache, kwargs, "", labels, first_layer
+            self.config,
+            input_ids=input_ids,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            offsets=kwargs,
+            labels=labels,
+            first_layer=first_layer,
         )
         targets = self.next_token_targets(labels, kwargs.get("shift_labels"))
         if skip_logits and targets is None:
             raise ValueError(SKIP_LOGITS_WITHOUT_LABELS)
-        router = RouterRequest.of(self.config, targets, output_router_logits) if self.config.num_experts else None
+        router = RouterRequest.of(self.config, targets, output_router_logits) if self.num_experts else None
         outputs = self.model(
             return_dict=True,  # the head reads fields; its own return_dict applies to its output
             input_ids=input_ids,
@@ -294,24 +310,22 @@ class VanillaTransformerForCausalLM(LanguageModelingHead, VanillaTransformerGene
         )
         logits = self.lm_head(slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep))
         model_outputs = {
-            CACHE_FIELD: getattr(outputs, CACHE_FIELD), "hidden_states": outputs.hidden_states,
+            CACHE_FIELD: getattr(outputs, CACHE_FIELD),
+            "hidden_states": outputs.hidden_states,
             "attentions": outputs.attentions,
-        }  # fmt: skip
-        if router is not None:
-            return self.moe_outputs(outputs, logits, targets, router, attention_mask, skip_logits, **kwargs)
-        loss = self.token_loss(logits, targets, **kwargs)
-        return CausalLMOutputWithPast(loss=loss, logits=None if skip_logits else logits, **model_outputs)
-
-    def moe_outputs(self, outputs, logits, targets, router, attention_mask, skip_logits, **kwargs) -> MoeCausalLMOutput:
-        """With experts: the router losses join the gradient (see VanillaTransformerForConditionalGeneration)."""
-        model_outputs = {
-            CACHE_FIELD: getattr(outputs, CACHE_FIELD), "hidden_states": outputs.hidden_states,
-            "attentions": outputs.attentions,
-        }  # fmt: skip
+        }
+        if router is None:
+            loss = self.token_loss(logits, targets, **kwargs)
+            return CausalLMOutputWithPast(loss=loss, logits=None if skip_logits else logits, **model_outputs)
+        # With experts: the router losses join the gradient (see VanillaTransformerForConditionalGeneration).
         tokens = current_tokens(attention_mask, outputs.last_hidden_state.shape[1])
-        router_losses = router.losses(self.config, decoder=(outputs.router_logits, tokens))
-        logits = with_router_gradient(logits, router_losses)
-        loss = with_router_value(self.token_loss(logits, targets, **kwargs), router_losses)
+        logits, loss, router_losses = add_router_losses(
+            self.config,
+            router,
+            logits,
+            partial(self.token_loss, targets=targets, **kwargs),
+            decoder=(outputs.router_logits, tokens),
+        )
         return MoeCausalLMOutput(
             loss=loss,
             logits=None if skip_logits else logits,
@@ -333,6 +347,7 @@ class VanillaTransformerForMaskedLM(LanguageModelingHead):
     def __init__(self, config: VanillaTransformerConfig):
         config = config.for_single_stack("encoder")
         super().__init__(config)
+        self.num_experts = config.num_experts  # read at every step: an attribute, as Mixtral's heads keep it
         self.model = VanillaTransformerEncoder(config)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=config.lm_head_bias)
         self.post_init()
@@ -361,10 +376,17 @@ class VanillaTransformerForMaskedLM(LanguageModelingHead):
         skip_logits (`bool`, *optional*, defaults to `False`):
             Return the loss without logits (`logits=None`): a training step that reads only the loss. Needs labels.
         """
-        check_stack_inputs(self.config, input_ids, inputs_embeds, attention_mask, None, None, kwargs, labels=labels)
+        check_stack_inputs(
+            self.config,
+            input_ids=input_ids,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            offsets=kwargs,
+            labels=labels,
+        )
         if skip_logits and labels is None:
             raise ValueError(SKIP_LOGITS_WITHOUT_LABELS)
-        router = RouterRequest.of(self.config, labels, output_router_logits) if self.config.num_experts else None
+        router = RouterRequest.of(self.config, labels, output_router_logits) if self.num_experts else None
         outputs = self.model(
             return_dict=True,  # the head reads fields; its own return_dict applies to its output
             input_ids=input_ids,
@@ -379,9 +401,9 @@ class VanillaTransformerForMaskedLM(LanguageModelingHead):
             loss = self.token_loss(logits, labels, **kwargs)
         else:  # the router losses join the gradient (see the seq2seq head); not reported apart
             tokens = current_tokens(attention_mask, outputs.last_hidden_state.shape[1])
-            router_losses = router.losses(self.config, encoder=(outputs.router_logits, tokens))
-            logits = with_router_gradient(logits, router_losses)
-            loss = with_router_value(self.token_loss(logits, labels, **kwargs), router_losses)
+            loss_of = partial(self.token_loss, targets=labels, **kwargs)
+            stacks = dict(encoder=(outputs.router_logits, tokens))
+            logits, loss, _ = add_router_losses(self.config, router, logits, loss_of, **stacks)
         return MaskedLMOutput(
             loss=loss,
             logits=None if skip_logits else logits,

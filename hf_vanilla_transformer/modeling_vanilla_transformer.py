@@ -1,13 +1,14 @@
 """The Transformer of "Attention Is All You Need" (Vaswani et al., 2017) as a transformers 5.x model, with its variants.
 
-What every forward runs, read top to bottom as in transformers' own modeling files: dropout, the embeddings and
-positions (§3.4, §3.5), the norms and their placement around each sub-layer (§3.1), the position-wise FFN and its GLU
+What every forward runs, read top to bottom as in transformers' own modeling files: the embeddings and positions
+(§3.4, §3.5), the norms and their placement around each sub-layer (§3.1), the position-wise FFN and its GLU
 variants (§3.3), the Mixture-of-Experts block that can replace it, multi-head attention (§3.2), the layer, the
-weight init, the two stacks and the encoder-decoder base model. Section numbers in comments refer to the paper.
+weight init, the two stacks and the encoder-decoder base model; then dropout (§5.4) with its cheaper CPU mask, and
+what the heads share (their losses' item count, the router-loss tail). Section numbers in comments refer to the paper.
 
 Beside this file: the checks of the inputs (inputs_vanilla_transformer, run once where a head, the base model or a
-stack run alone receives them), the attention layouts and kernels (packing_vanilla_transformer: how each kind of
-attention runs in a forward, built once per model forward, a flattened batch's sequences too), the experts' kernels
+stack run alone receives them), a flattened batch's attention and kernels (packing_vanilla_transformer: how each
+kind of attention runs over its sequences, built once per model forward), the experts' kernels
 (moe_kernels_vanilla_transformer) and the heads. Masks come from `transformers.masking_utils`; the decoder cache is an
 `EncoderDecoderCache`. Nothing here reads a tensor's values on the host: a step runs without waiting for the device.
 """
@@ -15,7 +16,9 @@ attention runs in a forward, built once per model forward, a flattened batch's s
 import functools
 import math
 import platform
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -33,18 +36,25 @@ from transformers.modeling_outputs import (
     Seq2SeqModelOutput,
     Seq2SeqMoEModelOutput,
 )
-from transformers.modeling_utils import PreTrainedModel
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, eager_attention_forward
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple, is_torchdynamo_compiling
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
-from .configuration_vanilla_transformer import GATED_FFN_TYPES, Stack, VanillaTransformerConfig
-from .inputs_vanilla_transformer import check_seq2seq_inputs, check_stack_inputs, require
+from .configuration_vanilla_transformer import GATED_FFN_TYPES, StackName, VanillaTransformerConfig
+from .inputs_vanilla_transformer import IGNORE_INDEX, check_seq2seq_inputs, check_stack_inputs, require
 from .moe_kernels_vanilla_transformer import VanillaTransformerExperts
-from .packing_vanilla_transformer import AttentionLayout, seq2seq_layouts, stack_layout
+from .packing_vanilla_transformer import (
+    SHORT_SEQUENCE_ON_CPU,
+    FlattenedAttention,
+    seq2seq_flattened_attention,
+    stack_flattened_attention,
+    under_math_sdpa,
+)
 from .pretrained_vanilla_transformer import LoadSaveShardMixin
+from .router_losses_vanilla_transformer import RouterLosses, RouterRequest, with_router_gradient, with_router_value
 
 # transformers 5.24 renamed the decoder cache from `past_key_values` to `cache`: `generate` passes it under the new name
 # and the output classes hold it as `cache` (their constructors take the old name with a warning). The models take it
@@ -63,62 +73,9 @@ def given_cache(cache: Cache | None, past_key_values: Cache | None) -> Cache | N
     return past_key_values
 
 
-# ------------------------------------------------------------------------------------------------------- dropout
-#
-# Dropout (§5.4), with a cheaper mask on the CPUs where PyTorch samples it one element at a time. PyTorch draws a CPU
-# dropout mask with MKL's vectorised Bernoulli sampler only on Intel CPUs. On every other CPU (AMD, Arm) it takes one
-# Mersenne-Twister draw and one comparison in double precision per element, serially, a noticeable share of a small
-# model's training step. There `Dropout` splits each 64-bit draw of the same generator into two uniform 32-bit
-# integers and keeps an element where its integer clears the threshold: the same Bernoulli(1 - p) mask at 2^-32
-# resolution, scaled by 1 / (1 - p) as PyTorch scales it, in about half the time (docs/benchmarks.md, "Figures quoted
-# in the package's docstrings"). Everywhere else, and under torch.compile (which generates its own masks), it is
-# `nn.Dropout`.
-
-
-@functools.cache
-def cpu_samples_dropout_per_element() -> bool:
-    """Whether PyTorch's CPU Bernoulli sampler is its element-by-element one: not an MKL build on an Intel CPU."""
-    return not (torch.backends.mkl.is_available() and "GenuineIntel" in cpu_vendor())
-
-
-def cpu_vendor() -> str:
-    """The CPU's vendor string: /proc/cpuinfo on Linux, the processor name elsewhere (Windows includes the vendor)."""
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            return next((line for line in cpuinfo if line.startswith("vendor_id")), "")
-    except OSError:
-        return platform.processor()
-
-
-def keep_mask(shape: torch.Size, dropped_per_2_32: int) -> torch.Tensor:
-    """A bool mask of `shape`, each element False with probability dropped_per_2_32 / 2^32, independently: two
-    uniform 32-bit integers per draw of the CPU generator (every 64 bits of it random), kept where at least the
-    threshold."""
-    count = math.prod(shape)
-    draws = torch.empty((count + 1) // 2, dtype=torch.int64).random_(torch.iinfo(torch.int64).min, None)
-    uniform_int32 = draws.view(torch.int32)[:count].view(shape)
-    return uniform_int32 >= torch.iinfo(torch.int32).min + dropped_per_2_32
-
-
-class Dropout(nn.Dropout):
-    """`nn.Dropout`, drawing its mask with `keep_mask` when training on a CPU that samples dropout per element."""
-
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if not self.training:  # first: decoding calls every dropout of the model at every step
-            return input
-        dropped_per_2_32 = round(self.p * 2**32)
-        if (
-            self.inplace
-            or not 0 < dropped_per_2_32 < 2**32
-            or type(input) is not torch.Tensor  # DTensor and other subclasses keep their own dropout
-            or input.device.type != "cpu"
-            or is_torchdynamo_compiling()
-            or not cpu_samples_dropout_per_element()
-        ):
-            return super().forward(input)
-        # As PyTorch's own CPU dropout: input times a noise tensor of 0 and 1 / (1 - p), kept for the backward.
-        noise = keep_mask(input.shape, dropped_per_2_32).to(input.dtype).div_(1.0 - self.p)
-        return input * noise
+def is_flattened(kwargs: dict) -> bool:
+    """Whether a forward's `kwargs` carry a flattened batch's offsets (an encoder-decoder's may give either side)."""
+    return kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None
 
 
 # ------------------------------------------------------------------------------------ embeddings and positions
@@ -140,7 +97,9 @@ class ScaledWordEmbedding(nn.Embedding):
         self.embed_scale = config.d_model**0.5 if config.scale_embedding else 1.0
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return super().forward(input_ids) * self.embed_scale
+        # `nn.Embedding.forward` without its call (one per decoding step): this embedding has no max_norm, no sparse
+        # gradient.
+        return F.embedding(input_ids, self.weight, self.padding_idx) * self.embed_scale
 
 
 def sinusoidal_position_encoding(position_ids: torch.Tensor, dim: int, layout: str = "interleaved") -> torch.Tensor:
@@ -185,12 +144,12 @@ class SinusoidalPositionalEmbedding(nn.Module):
     ) -> PositionOutput:
         """`positions_below`: a bound the caller knows `position_ids` keep to (a flattened batch's longest sequence),
         so that they can be looked up in the table."""
-        length = inputs_embeds.shape[1]
-        if position_ids is None and isinstance(past_length, int) and past_length + length <= self.table.shape[0]:
-            encoding = self.table[past_length : past_length + length]
-        elif position_ids is not None and positions_below is not None and positions_below <= self.table.shape[0]:
+        length, table = inputs_embeds.shape[1], self.table  # a buffer: each read is a Python call
+        if position_ids is None and isinstance(past_length, int) and past_length + length <= table.shape[0]:
+            encoding = table[past_length : past_length + length]
+        elif position_ids is not None and positions_below is not None and positions_below <= table.shape[0]:
             try:  # the lookup checks the positions itself, at no cost (a device assert on an accelerator)
-                encoding = F.embedding(position_ids, self.table)
+                encoding = F.embedding(position_ids, table)
             except IndexError as error:
                 raise ValueError(f"position_ids hold a position past max_length ({positions_below}): {error}") from None
         else:
@@ -279,7 +238,7 @@ def build_norm(config: VanillaTransformerConfig) -> nn.Module:
     return nn.LayerNorm(config.d_model, eps=config.norm_eps, bias=config.norm_bias)
 
 
-def deepnorm_constants(config: VanillaTransformerConfig, stack: Stack) -> tuple[float, float]:
+def deepnorm_constants(config: VanillaTransformerConfig, stack: StackName) -> tuple[float, float]:
     """DeepNet (Wang et al. 2022, Figure 2 / Table 1) residual weight alpha and init gain beta.
 
     Encoder-decoder with N encoder and M decoder layers:
@@ -301,7 +260,7 @@ def deepnorm_constants(config: VanillaTransformerConfig, stack: Stack) -> tuple[
 DEEPNORM_SCALED_MODULES = ("v_proj", "out_proj", "fc1", "fc2", "gate_proj", "up_proj", "down_proj", "experts")
 
 
-def set_deepnorm_init_gains(layer: nn.Module, config: VanillaTransformerConfig, stack: Stack) -> None:
+def set_deepnorm_init_gains(layer: nn.Module, config: VanillaTransformerConfig, stack: StackName) -> None:
     """Store the DeepNet init gain on each linear map and expert bank of `layer` as `deepnorm_gain`, for
     `_init_weights` to apply.
 
@@ -324,15 +283,16 @@ def norm_first(config: VanillaTransformerConfig) -> bool:
 
 
 class SublayerConnection(nn.Module):
-    """The dropout, residual add and norm(s) around one sub-layer (attention or FFN), placed per `norm_position`:
+    """One sub-layer f (attention or FFN) with its norms, dropout and residual add, placed per `norm_position`:
 
     post      LayerNorm(x + Dropout(f(x)))                 the paper, §3.1 and §5.4
     pre       x + Dropout(f(LayerNorm(x)))                 Xiong et al. 2020; the stack ends with a final norm
     sandwich  x + Dropout(LayerNorm(f(LayerNorm(x))))      Ding et al. 2021 (CogView)
     deepnorm  LayerNorm(alpha * x + Dropout(f(x)))         Wang et al. 2022 (DeepNet)
 
-    The layer runs f on `norm(x)` where `norm_first` (pre, sandwich), else on x, then calls this with x and f's
-    output.
+    As x-transformers' optional norms per branch: `norm` is the placement's norm, on the branch's input where the norm
+    comes first (pre, sandwich: the stream itself is never normalised), else on the stream after the residual add;
+    `sandwich_norm` normalises the branch's output. (The names are those of the saved checkpoints.)
     """
 
     def __init__(self, config: VanillaTransformerConfig, residual_scale: float = 1.0):
@@ -343,17 +303,20 @@ class SublayerConnection(nn.Module):
         self.dropout = Dropout(config.dropout)
         self.residual_scale = residual_scale
 
-    def forward(self, residual: torch.Tensor, sublayer_output: torch.Tensor) -> torch.Tensor:
-        """The stream after the sub-layer: its dropped-out output added to the residual, normalised per placement."""
+    def forward(self, hidden_states: torch.Tensor, sublayer: nn.Module, *args, **kwargs) -> torch.Tensor:
+        """The stream after `sublayer`, called on the stream (normalised where the norm comes first) and `args`,
+        `kwargs`; of an attention's (output, weights) the output (the weights are recorded on the attention)."""
+        output = sublayer(self.norm(hidden_states) if self.norm_first else hidden_states, *args, **kwargs)
+        output = output[0] if isinstance(output, tuple) else output
         if self.sandwich_norm is not None:
-            sublayer_output = self.sandwich_norm(sublayer_output)
+            output = self.sandwich_norm(output)
         if self.training:  # dropout is the identity in eval: decoding skips the module call at every step
-            sublayer_output = self.dropout(sublayer_output)
+            output = self.dropout(output)
         if self.norm_first:
-            return residual + sublayer_output
+            return hidden_states + output
         # alpha = 1 (post-LN) would cost a full-size multiply forward and backward for nothing.
-        scaled = residual if self.residual_scale == 1.0 else self.residual_scale * residual
-        return self.norm(scaled + sublayer_output)
+        scaled = hidden_states if self.residual_scale == 1.0 else self.residual_scale * hidden_states
+        return self.norm(scaled + output)
 
 
 # ----------------------------------------------------------------------------------------- feed-forward networks
@@ -620,9 +583,9 @@ class VanillaTransformerAttention(nn.Module):
     """Multi-head scaled dot-product attention (§3.2), with grouped K/V heads when `num_key_value_heads` is set.
 
     Self-attention reads keys and values from its own input; cross-attention (`is_cross_attention`) from
-    `key_value_states`, the encoder output (§3.2.3). The `layout` of the call says what runs it (transformers'
-    attention interface, a variable-length kernel, or the fallback over a flattened batch's sequences), chosen once
-    per model forward (packing_vanilla_transformer).
+    `key_value_states`, the encoder output (§3.2.3). The config's attention function runs it, from transformers'
+    attention interface as in Bart and Llama; over a flattened batch `flattened_attention` (built once per model
+    forward, packing_vanilla_transformer) runs it per sequence, with a variable-length kernel or under its own mask.
     """
 
     def __init__(
@@ -653,10 +616,10 @@ class VanillaTransformerAttention(nn.Module):
         self,
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None,
-        layout: AttentionLayout,
         key_value_states: torch.Tensor | None = None,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         past_key_values: Cache | None = None,
+        flattened_attention: FlattenedAttention | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         # (batch, length, heads * head_dim) -> (batch, heads, length, head_dim)
@@ -686,12 +649,22 @@ class VanillaTransformerAttention(nn.Module):
                 if self.is_cross_attention:
                     past_key_values.is_updated[self.layer_idx] = True
 
-        attn_output, attn_weights = layout.attention(
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+        if flattened_attention is not None:  # per sequence: a variable-length kernel, or the fallback under its mask
+            attention_interface = flattened_attention.function(attention_interface)
+            attention_mask = flattened_attention.mask
+        if torch.is_grad_enabled() and query.device.type == "cpu" and query.dtype in (torch.bfloat16, torch.float16):
+            attention_interface = cpu_half_precision_attention(
+                self.config, attention_interface, query, key, attention_mask
+            )
+        attn_output, attn_weights = attention_interface(
             self,
             query,
             key,
             value,
-            attention_mask if layout.mask is None else layout.mask,
+            attention_mask,
             dropout=self.attention_dropout if self.training else 0.0,
             scaling=self.scaling,
             **kwargs,
@@ -700,7 +673,17 @@ class VanillaTransformerAttention(nn.Module):
         return self.out_proj(attn_output), attn_weights
 
 
-def build_mlp(config: VanillaTransformerConfig, stack: Stack, layer_idx: int) -> nn.Module:
+def cpu_half_precision_attention(config, attention_interface: Callable, query, key, attention_mask) -> Callable:
+    """Training in bfloat16/float16 on a CPU at sequences up to `SHORT_SEQUENCE_ON_CPU`, SDPA restricted to its math
+    kernel: PyTorch's flash kernel, its choice there, is up to 2.9x slower (docs/benchmarks.md, "Figures quoted in the
+    package's docstrings"). The lengths are those the kernel sees: the mask's (a flattened batch's grid or rows)."""
+    lengths = (query.shape[2], key.shape[2]) if attention_mask is None else attention_mask.shape[-2:]
+    if config._attn_implementation == "sdpa" and max(lengths) <= SHORT_SEQUENCE_ON_CPU:
+        return partial(under_math_sdpa, attention_interface)
+    return attention_interface
+
+
+def build_mlp(config: VanillaTransformerConfig, stack: StackName, layer_idx: int) -> nn.Module:
     """The position-wise FFN of one layer (§3.3), or a Mixture of Experts in the layers `config.is_moe_layer` picks."""
     ffn_dim = config.encoder_ffn_dim if stack == "encoder" else config.decoder_ffn_dim
     if config.is_moe_layer(stack, layer_idx):
@@ -708,13 +691,14 @@ def build_mlp(config: VanillaTransformerConfig, stack: Stack, layer_idx: int) ->
     return build_feed_forward(config, ffn_dim)
 
 
-class VanillaTransformerLayer(GradientCheckpointingLayer):
+class VanillaTransformerLayer(nn.Module):
     """One layer of either stack (§3.1): self-attention, attention over the encoder output (a decoder of an
     encoder-decoder only), then the FFN; each sub-layer wrapped in dropout, residual and norm (`SublayerConnection`).
     The subclasses name the stack (`stack`): encoder self-attention sees the whole source, decoder self-attention is
-    masked."""
+    masked. They, not this base, are the `GradientCheckpointingLayer`s: transformers >= 5.23 wraps the `forward` of
+    every subclass of it, so a layer below a second subclass would run two wrappers at every call."""
 
-    stack: Stack
+    stack: StackName
 
     def __init__(self, config: VanillaTransformerConfig, layer_idx: int):
         super().__init__()
@@ -722,7 +706,6 @@ class VanillaTransformerLayer(GradientCheckpointingLayer):
         alpha = deepnorm_constants(config, self.stack)[0] if config.norm_position == "deepnorm" else 1.0
         decoder = self.stack == "decoder"
         heads = config.decoder_attention_heads if decoder else config.encoder_attention_heads
-        self.norm_first = norm_first(config)
         self.self_attn = VanillaTransformerAttention(config, heads, is_causal=decoder, layer_idx=layer_idx)
         self.self_attn_connection = SublayerConnection(config, alpha)
         if decoder and config.is_encoder_decoder:
@@ -741,47 +724,46 @@ class VanillaTransformerLayer(GradientCheckpointingLayer):
         encoder_hidden_states: torch.Tensor | None = None,
         encoder_attention_mask: torch.Tensor | None = None,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        attention_layout: AttentionLayout | None = None,
-        cross_attention_layout: AttentionLayout | None = None,
+        flattened_attention: FlattenedAttention | None = None,
+        flattened_cross_attention: FlattenedAttention | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> torch.Tensor:
         """`kwargs` reach both attentions: the decoder's cache (`past_key_values`) and transformers' attention
-        options. Each sub-layer reads the normalised stream where the norm comes first (pre, sandwich)."""
+        options. Each connection places the norms around its sub-layer (`SublayerConnection`); its `forward` is called
+        as a method, which saves the two Python calls of a module call per sub-layer at every decoding step. Nothing
+        hooks a connection (transformers, FSDP and accelerate hook the layers, the attentions and the norms, which
+        are called as modules)."""
         # Self-attention (§3.2.3): over the whole source in the encoder; in the decoder `attention_mask` is causal,
         # position i sees positions <= i only.
-        connection = self.self_attn_connection
-        attention_input = connection.norm(hidden_states) if self.norm_first else hidden_states
-        attention_output, _ = self.self_attn(
-            attention_input, attention_mask, attention_layout, position_embeddings=position_embeddings, **kwargs
+        hidden_states = self.self_attn_connection.forward(
+            hidden_states,
+            self.self_attn,
+            attention_mask,
+            position_embeddings=position_embeddings,
+            flattened_attention=flattened_attention,
+            **kwargs,
         )
-        hidden_states = connection(hidden_states, attention_output)
-
         # Encoder-decoder attention: queries from the decoder, keys and values from the encoder output (§3.2.3).
         if encoder_hidden_states is not None:
-            connection = self.encoder_attn_connection
-            attention_input = connection.norm(hidden_states) if self.norm_first else hidden_states
-            attention_output, _ = self.encoder_attn(
-                attention_input,
+            hidden_states = self.encoder_attn_connection.forward(
+                hidden_states,
+                self.encoder_attn,
                 encoder_attention_mask,
-                cross_attention_layout,
                 key_value_states=encoder_hidden_states,
+                flattened_attention=flattened_cross_attention,
                 **kwargs,
             )
-            hidden_states = connection(hidden_states, attention_output)
-
         # Position-wise feed-forward network, or Mixture of Experts (§3.3).
-        connection = self.mlp_connection
-        mlp_output = self.mlp(connection.norm(hidden_states) if self.norm_first else hidden_states)
-        return connection(hidden_states, mlp_output)
+        return self.mlp_connection.forward(hidden_states, self.mlp)
 
 
-class VanillaTransformerEncoderLayer(VanillaTransformerLayer):
+class VanillaTransformerEncoderLayer(VanillaTransformerLayer, GradientCheckpointingLayer):
     """An encoder layer: self-attention over the whole source, then FFN."""
 
     stack = "encoder"
 
 
-class VanillaTransformerDecoderLayer(VanillaTransformerLayer):
+class VanillaTransformerDecoderLayer(VanillaTransformerLayer, GradientCheckpointingLayer):
     """A decoder layer: masked self-attention, attention over the encoder output (absent when decoder-only), then
     FFN."""
 
@@ -854,7 +836,7 @@ class VanillaTransformerStack(VanillaTransformerPreTrainedModel):
         input_ids: torch.LongTensor | None,
         inputs_embeds: torch.Tensor | None,
         position_ids: torch.LongTensor | None,
-        layout: AttentionLayout,
+        flattened_attention: FlattenedAttention | None,
         first_layer: int,
         past_length: int | torch.Tensor = 0,
     ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
@@ -870,13 +852,32 @@ class VanillaTransformerStack(VanillaTransformerPreTrainedModel):
                 vocab_size = self.config.vocab_size
                 raise ValueError(f"{name} holds an id outside the vocabulary [0, {vocab_size=}): {error}") from None
         positions_below = None
-        if layout.queries is not None:  # a flattened batch: positions restart at each sequence, below its longest
-            positions_below = layout.queries.max_length
-            position_ids = layout.queries.positions(inputs_embeds.shape[:2]) if position_ids is None else position_ids
+        if flattened_attention is not None:  # a flattened batch: positions restart at each sequence, below its longest
+            sequences = flattened_attention.queries
+            positions_below = sequences.max_length
+            position_ids = sequences.positions(inputs_embeds.shape[:2]) if position_ids is None else position_ids
         hidden_states, rotary = self.embed_positions(inputs_embeds, position_ids, past_length, positions_below)
         if first_layer > 0:  # a later pipeline rank: `inputs_embeds` is the previous rank's output
             return inputs_embeds, inputs_embeds, rotary
         return inputs_embeds, self.dropout(hidden_states) if self.training else hidden_states, rotary
+
+    def run_layers(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        """The N identical layers (§3.1), then the final norm of the pre-norm placements (on the last rank of a
+        pipeline)."""
+        for layer in self.layers:
+            hidden_states = layer(hidden_states, *args, **kwargs)
+        if self.layer_norm is not None and self.runs_last_layer:
+            hidden_states = self.layer_norm(hidden_states)
+        return hidden_states
+
+    def flattened_self_attention(self, kwargs: dict, shape: tuple[int, int]) -> FlattenedAttention | None:
+        """The self-attention of a flattened batch given to this stack run alone (its offsets taken out of `kwargs`),
+        or None for a padded one."""
+        if not is_flattened(kwargs):
+            return None
+        causal = isinstance(self, VanillaTransformerDecoder)
+        weight = next(self.parameters())  # the image encoder has no token embedding
+        return stack_flattened_attention(self.config, kwargs, weight, self.training, shape, causal)
 
     @property
     def first_layer_run(self) -> int:
@@ -915,38 +916,46 @@ class VanillaTransformerEncoder(VanillaTransformerStack):
         attention_mask: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        attention_layout: AttentionLayout | None = None,
+        flattened_attention: FlattenedAttention | None = None,
         check_inputs: bool = True,
         **kwargs: Unpack[TransformersKwargs],
-    ) -> BaseModelOutput:  # MoeEncoderOutput with experts, which adds the router logits of its MoE layers
+    ) -> BaseModelOutput:  # MoeEncoderOutput with experts: the router logits of its MoE layers
         r"""
-        attention_layout (`AttentionLayout`, *optional*):
-            How its attention runs, built by the encoder-decoder for both stacks; built here when the encoder runs
-            alone (from `cu_seq_lens_q`/`max_length_q` for a flattened batch).
+        flattened_attention (`FlattenedAttention`, *optional*):
+            How its attention runs over a flattened batch, built by the encoder-decoder for both stacks; built here
+            from `cu_seq_lens_q`/`max_length_q` when the encoder runs alone.
         check_inputs (`bool`, defaults to `True`):
             False where the caller (a head, the base model) checked the inputs.
         """
         if check_inputs:
-            check_stack_inputs(self.config, input_ids, inputs_embeds, attention_mask, position_ids, None, kwargs)
-        if attention_layout is None:
+            check_stack_inputs(
+                self.config,
+                input_ids=input_ids,
+                inputs_embeds=inputs_embeds,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                offsets=kwargs,
+            )
+        if flattened_attention is None:
             shape = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
-            attention_layout = stack_layout(self.config, kwargs, self.embed_tokens.weight, self.training, shape, False)
+            flattened_attention = self.flattened_self_attention(kwargs, shape)
         inputs_embeds, hidden_states, rotary = self.embed(
-            input_ids, inputs_embeds, position_ids, attention_layout, self.first_layer_run
+            input_ids, inputs_embeds, position_ids, flattened_attention, self.first_layer_run
         )
-        if attention_layout.queries is None:
+        if flattened_attention is None:
             attention_mask = create_bidirectional_mask(
                 config=self.config,
                 inputs_embeds=inputs_embeds,
                 attention_mask=attention_mask,
                 allow_is_bidirectional_skip=attention_mask is None,  # deciding it from the mask's values would sync
             )
-        for layer in self.layers:
-            hidden_states = layer(
-                hidden_states, attention_mask, position_embeddings=rotary, attention_layout=attention_layout, **kwargs
-            )
-        if self.layer_norm is not None and self.runs_last_layer:
-            hidden_states = self.layer_norm(hidden_states)
+        hidden_states = self.run_layers(
+            hidden_states,
+            attention_mask,
+            position_embeddings=rotary,
+            flattened_attention=flattened_attention,
+            **kwargs,
+        )
         return self.output_class(last_hidden_state=hidden_states)
 
 
@@ -982,110 +991,126 @@ class VanillaTransformerDecoder(VanillaTransformerStack):
         inputs_embeds: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
         use_cache: bool | None = None,
-        attention_layout: AttentionLayout | None = None,
-        cross_attention_layout: AttentionLayout | None = None,
+        flattened_attention: FlattenedAttention | None = None,
+        flattened_cross_attention: FlattenedAttention | None = None,
         check_inputs: bool = True,
         past_key_values: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
-    ) -> BaseModelOutputWithPastAndCrossAttentions:  # MoeDecoderOutput with experts, which adds the router logits
+    ) -> BaseModelOutputWithPastAndCrossAttentions:  # MoeDecoderOutput with experts
         r"""
-        attention_layout, cross_attention_layout (`AttentionLayout`, *optional*):
-            How its self- and cross-attention run, built by the encoder-decoder for both stacks; built here when the
-            decoder runs alone.
+        flattened_attention, flattened_cross_attention (`FlattenedAttention`, *optional*):
+            How its self- and cross-attention run over a flattened batch, built by the encoder-decoder for both
+            stacks; built here when the decoder runs alone.
         check_inputs (`bool`, defaults to `True`):
             False where the caller (a head, the base model) checked the inputs.
         past_key_values (`Cache`, *optional*):
             The name of `cache` before transformers 5.24.
         """
-        cache = given_cache(cache, past_key_values)
+        if past_key_values is not None:  # the heads pass `cache`: no call on a decoding step
+            cache = given_cache(cache, past_key_values)
         if check_inputs:
-            self.check_inputs(input_ids, attention_mask, encoder_hidden_states, encoder_attention_mask,
-                              cache, inputs_embeds, position_ids, kwargs)  # fmt: skip
-        batch_size, length = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
-        if attention_layout is None:
-            attention_layout, cross_attention_layout = self.layouts(kwargs, (batch_size, length), encoder_hidden_states)
-        if use_cache and cache is None and attention_layout.queries is None:  # flattened: a training batch
+            self.check_inputs(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                encoder_hidden_states=encoder_hidden_states,
+                encoder_attention_mask=encoder_attention_mask,
+                cache=cache,
+                inputs_embeds=inputs_embeds,
+                position_ids=position_ids,
+                kwargs=kwargs,
+            )
+        if flattened_attention is None and is_flattened(kwargs):
+            flattened_attention, flattened_cross_attention = self.flattened_attention(
+                kwargs, (input_ids if input_ids is not None else inputs_embeds).shape[:2], encoder_hidden_states
+            )
+        if use_cache and cache is None and flattened_attention is None:  # flattened: a training batch
             cache = self.new_cache()
         first_layer = self.first_layer_run  # whose cache holds the decoded length
         past_length = cache.get_seq_length(first_layer) if cache is not None else 0
         inputs_embeds, hidden_states, rotary = self.embed(
-            input_ids, inputs_embeds, position_ids, attention_layout, first_layer, past_length
+            input_ids, inputs_embeds, position_ids, flattened_attention, first_layer, past_length
         )
-        if attention_layout.queries is None:
-            attention_mask, encoder_attention_mask = self.padded_masks(
-                inputs_embeds, attention_mask, encoder_hidden_states, encoder_attention_mask, cache, position_ids,
-                first_layer, past_length,
-            )  # fmt: skip
-        for layer in self.layers:
-            hidden_states = layer(
-                hidden_states,
+        if flattened_attention is None:  # a padded batch: transformers' masks, built where Bart builds them
+            self_attention_cache = cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
+            # Position ids restarting at 0 without a mask mark sequences packed in one row; transformers finds them
+            # only without a cache, and a dynamic cache this forward starts empty changes nothing else in the mask.
+            starts_dynamic_cache = type(self_attention_cache) is DynamicCache and past_length == 0
+            attention_mask = create_causal_mask(
+                self.config,
+                inputs_embeds,
                 attention_mask,
-                encoder_hidden_states,  # positional: activation checkpointing only passes grads through positionals
-                encoder_attention_mask=encoder_attention_mask,
-                position_embeddings=rotary,
-                past_key_values=cache,
-                attention_layout=attention_layout,
-                cross_attention_layout=cross_attention_layout,
-                **kwargs,
+                None if starts_dynamic_cache else self_attention_cache,  # positional: `cache` from transformers 5.24
+                position_ids=position_ids,
+                layer_idx=first_layer,
+                allow_is_causal_skip=attention_mask is None,  # deciding it from the mask's values would sync
             )
-        if self.layer_norm is not None and self.runs_last_layer:
-            hidden_states = self.layer_norm(hidden_states)
+            if encoder_hidden_states is not None:
+                encoder_attention_mask = create_bidirectional_mask(
+                    config=self.config,
+                    inputs_embeds=inputs_embeds,
+                    attention_mask=encoder_attention_mask,
+                    encoder_hidden_states=encoder_hidden_states,
+                    allow_is_bidirectional_skip=encoder_attention_mask is None,
+                )
+        hidden_states = self.run_layers(
+            hidden_states,
+            attention_mask,
+            encoder_hidden_states,  # positional: activation checkpointing only passes grads through positionals
+            encoder_attention_mask=encoder_attention_mask,
+            position_embeddings=rotary,
+            past_key_values=cache,
+            flattened_attention=flattened_attention,
+            flattened_cross_attention=flattened_cross_attention,
+            **kwargs,
+        )
         return self.output_class(last_hidden_state=hidden_states, **{CACHE_FIELD: cache})
 
     def check_inputs(
-        self, input_ids, attention_mask, encoder_hidden_states, encoder_attention_mask, cache, inputs_embeds,
-        position_ids, kwargs,
-    ) -> None:  # fmt: skip
+        self,
+        *,
+        input_ids: torch.Tensor | None,
+        attention_mask: torch.Tensor | None,
+        encoder_hidden_states: torch.Tensor | None,
+        encoder_attention_mask: torch.Tensor | None,
+        cache: Cache | None,
+        inputs_embeds: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+        kwargs: dict,
+    ) -> None:
         """The decoder run alone: its inputs, and those of the encoder-decoder it belongs to where it has one."""
         if encoder_hidden_states is None:
-            positions, first_layer = position_ids, self.first_layer_run
             check_stack_inputs(
-                self.config, input_ids, inputs_embeds, attention_mask, positions, cache, kwargs, "", None, first_layer
+                self.config,
+                input_ids=input_ids,
+                inputs_embeds=inputs_embeds,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                cache=cache,
+                offsets=kwargs,
+                first_layer=self.first_layer_run,
             )
             return
         check_seq2seq_inputs(
-            self.config, None, encoder_attention_mask, None, (encoder_hidden_states,), input_ids, attention_mask,
-            inputs_embeds, cache, kwargs=dict(kwargs, decoder_position_ids=position_ids),
-        )  # fmt: skip
-
-    def layouts(self, kwargs: dict, shape: tuple[int, int], encoder_hidden_states: torch.Tensor | None) -> tuple:
-        """The self- and cross-attention layouts of the decoder run alone (see `seq2seq_layouts`)."""
-        weight = self.embed_tokens.weight
-        if encoder_hidden_states is None:
-            return stack_layout(self.config, kwargs, weight, self.training, shape, True), None
-        source_shape = encoder_hidden_states.shape[:2]
-        _, attention_layout, cross_attention_layout = seq2seq_layouts(
-            self.config, kwargs, weight, self.training, source_shape, shape
-        )
-        return attention_layout, cross_attention_layout
-
-    def padded_masks(
-        self, inputs_embeds, attention_mask, encoder_hidden_states, encoder_attention_mask, cache, position_ids,
-        first_layer: int, past_length: int,
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
-        """transformers' causal mask over the cache and the target, and the mask over the encoder output."""
-        self_attention_cache = cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
-        # Position ids restarting at 0 without a mask mark sequences packed in one row; transformers finds them only
-        # without a cache, and a dynamic cache this forward starts empty changes nothing else in the mask.
-        starts_dynamic_cache = type(self_attention_cache) is DynamicCache and past_length == 0
-        attention_mask = create_causal_mask(
             self.config,
-            inputs_embeds,
-            attention_mask,
-            None if starts_dynamic_cache else self_attention_cache,  # positional: renamed `cache` in transformers 5.24
-            position_ids=position_ids,
-            layer_idx=first_layer,
-            allow_is_causal_skip=attention_mask is None,  # deciding it from the mask's values would sync
+            attention_mask=encoder_attention_mask,
+            encoder_hidden_states=encoder_hidden_states,
+            decoder_input_ids=input_ids,
+            decoder_attention_mask=attention_mask,
+            decoder_inputs_embeds=inputs_embeds,
+            cache=cache,
+            kwargs=dict(kwargs, decoder_position_ids=position_ids),
         )
-        if encoder_hidden_states is not None:
-            encoder_attention_mask = create_bidirectional_mask(
-                config=self.config,
-                inputs_embeds=inputs_embeds,
-                attention_mask=encoder_attention_mask,
-                encoder_hidden_states=encoder_hidden_states,
-                allow_is_bidirectional_skip=encoder_attention_mask is None,
-            )
-        return attention_mask, encoder_attention_mask
+
+    def flattened_attention(self, kwargs: dict, shape: tuple[int, int], encoder_hidden_states) -> tuple:
+        """The self- and cross-attention of a flattened batch given to the decoder run alone (see
+        `seq2seq_flattened_attention`)."""
+        if encoder_hidden_states is None:
+            return self.flattened_self_attention(kwargs, shape), None
+        source_shape = encoder_hidden_states.shape[:2]
+        _, self_attention, cross_attention = seq2seq_flattened_attention(
+            self.config, kwargs, self.embed_tokens.weight, self.training, source_shape, shape
+        )
+        return self_attention, cross_attention
 
 
 def base_model_class(config: VanillaTransformerConfig) -> type[VanillaTransformerPreTrainedModel]:
@@ -1183,20 +1208,26 @@ class VanillaTransformerModel(VanillaTransformerPreTrainedModel):
         A flattened batch (`DataCollatorForSeq2SeqWithFlattening`) gives the offsets of its target sequences as
         `cu_seq_lens_q`/`max_length_q` and of its source sequences as `cu_seq_lens_k`/`max_length_k`.
         """
-        cache = given_cache(cache, past_key_values)
+        if past_key_values is not None:  # the heads pass `cache`: no call on a decoding step
+            cache = given_cache(cache, past_key_values)
         if check_inputs:
-            positions = dict(kwargs, position_ids=position_ids, decoder_position_ids=decoder_position_ids)
-            check_seq2seq_inputs(self.config, input_ids, attention_mask, inputs_embeds, encoder_outputs,
-                                 decoder_input_ids, decoder_attention_mask, decoder_inputs_embeds, cache,
-                                 kwargs=positions)  # fmt: skip
-        source = (
-            encoder_outputs[0] if encoder_outputs is not None else input_ids if input_ids is not None else inputs_embeds
-        )
-        target = decoder_input_ids if decoder_input_ids is not None else decoder_inputs_embeds
-        # How each kind of attention runs, and a flattened batch's sequences: built once, for both stacks.
-        encoder_layout, decoder_layout, cross_layout = seq2seq_layouts(
-            self.config, kwargs, self.shared.weight, self.training, source.shape[:2], target.shape[:2]
-        )
+            check_seq2seq_inputs(
+                self.config,
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                inputs_embeds=inputs_embeds,
+                encoder_hidden_states=None if encoder_outputs is None else encoder_outputs[0],
+                decoder_input_ids=decoder_input_ids,
+                decoder_attention_mask=decoder_attention_mask,
+                decoder_inputs_embeds=decoder_inputs_embeds,
+                cache=cache,
+                kwargs=dict(kwargs, position_ids=position_ids, decoder_position_ids=decoder_position_ids),
+            )
+        encoder_attention = decoder_attention = cross_attention = None
+        if is_flattened(kwargs):  # each kind of attention over the batch's sequences: built once, for both stacks
+            encoder_attention, decoder_attention, cross_attention = self.flattened_attention(
+                kwargs, input_ids, inputs_embeds, encoder_outputs, decoder_input_ids, decoder_inputs_embeds
+            )
         # Router logits describe the layers that run in this call: those of given encoder outputs (generate passes
         # them at every step, not expanded to the beams) are not returned.
         encoder_runs = encoder_outputs is None
@@ -1207,7 +1238,7 @@ class VanillaTransformerModel(VanillaTransformerPreTrainedModel):
                 attention_mask=attention_mask,
                 inputs_embeds=inputs_embeds,
                 position_ids=position_ids,
-                attention_layout=encoder_layout,
+                flattened_attention=encoder_attention,
                 check_inputs=False,
                 **kwargs,
             )
@@ -1223,8 +1254,8 @@ class VanillaTransformerModel(VanillaTransformerPreTrainedModel):
             inputs_embeds=decoder_inputs_embeds,
             position_ids=decoder_position_ids,
             use_cache=use_cache,
-            attention_layout=decoder_layout,
-            cross_attention_layout=cross_layout,
+            flattened_attention=decoder_attention,
+            flattened_cross_attention=cross_attention,
             check_inputs=False,
             **kwargs,
         )
@@ -1238,13 +1269,121 @@ class VanillaTransformerModel(VanillaTransformerPreTrainedModel):
             encoder_hidden_states=encoder_outputs.hidden_states,
             encoder_attentions=encoder_outputs.attentions,
         )
-        if self.config.num_experts == 0:
+        if not isinstance(decoder_outputs, MoeDecoderOutput):  # no experts (a config read costs two Python calls)
             return Seq2SeqModelOutput(**outputs)
         return Seq2SeqMoEModelOutput(
             **outputs,
             encoder_router_logits=getattr(encoder_outputs, "router_logits", None) if encoder_runs else None,
             decoder_router_logits=decoder_outputs.router_logits,
         )
+
+
+    def flattened_attention(
+        self, kwargs, input_ids, inputs_embeds, encoder_outputs, decoder_input_ids, decoder_inputs_embeds
+    ) -> tuple[FlattenedAttention, FlattenedAttention, FlattenedAttention]:
+        """The encoder self-, decoder self- and cross-attention of a flattened batch (`seq2seq_flattened_attention`)."""
+        source = input_ids if input_ids is not None else inputs_embeds
+        source = encoder_outputs[0] if encoder_outputs is not None else source
+        target = decoder_input_ids if decoder_input_ids is not None else decoder_inputs_embeds
+        return seq2seq_flattened_attention(
+            self.config, kwargs, self.shared.weight, self.training, source.shape[:2], target.shape[:2]
+        )
+
+
+# ------------------------------------------------------------------------------------------------------- dropout
+#
+# Dropout (§5.4), used by every module above, with a cheaper mask on the CPUs where PyTorch samples it one element
+# at a time. PyTorch draws a CPU dropout mask with MKL's vectorised Bernoulli sampler only on Intel CPUs. On every
+# other CPU (AMD, Arm) it takes one Mersenne-Twister draw and one comparison in double precision per element,
+# serially, a noticeable share of a small model's training step. There `Dropout` splits each 64-bit draw of the same
+# generator into two uniform 32-bit integers and keeps an element where its integer clears the threshold: the same
+# Bernoulli(1 - p) mask at 2^-32 resolution, scaled by 1 / (1 - p) as PyTorch scales it, in about half the time
+# (docs/benchmarks.md, "Figures quoted in the package's docstrings"). Everywhere else, and under torch.compile (which
+# generates its own masks), it is `nn.Dropout`. The modules above still skip the call in eval (`if self.training`):
+# decoding would pay three Python calls per dropout per step for the identity.
+
+
+@functools.cache
+def cpu_samples_dropout_per_element() -> bool:
+    """Whether PyTorch's CPU Bernoulli sampler is its element-by-element one: not an MKL build on an Intel CPU."""
+    return not (torch.backends.mkl.is_available() and "GenuineIntel" in cpu_vendor())
+
+
+def cpu_vendor() -> str:
+    """The CPU's vendor string: /proc/cpuinfo on Linux, the processor name elsewhere (Windows includes the vendor)."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return next((line for line in cpuinfo if line.startswith("vendor_id")), "")
+    except OSError:
+        return platform.processor()
+
+
+def keep_mask(shape: torch.Size, dropped_per_2_32: int) -> torch.Tensor:
+    """A bool mask of `shape`, each element False with probability dropped_per_2_32 / 2^32, independently: two
+    uniform 32-bit integers per draw of the CPU generator (every 64 bits of it random), kept where at least the
+    threshold."""
+    count = math.prod(shape)
+    draws = torch.empty((count + 1) // 2, dtype=torch.int64).random_(torch.iinfo(torch.int64).min, None)
+    uniform_int32 = draws.view(torch.int32)[:count].view(shape)
+    return uniform_int32 >= torch.iinfo(torch.int32).min + dropped_per_2_32
+
+
+class Dropout(nn.Dropout):
+    """`nn.Dropout`, drawing its mask with `keep_mask` when training on a CPU that samples dropout per element."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if not self.training:  # first: decoding calls every dropout of the model at every step
+            return input
+        dropped_per_2_32 = round(self.p * 2**32)
+        if (
+            self.inplace
+            or not 0 < dropped_per_2_32 < 2**32
+            or type(input) is not torch.Tensor  # DTensor and other subclasses keep their own dropout
+            or input.device.type != "cpu"
+            or is_torchdynamo_compiling()
+            or not cpu_samples_dropout_per_element()
+        ):
+            return super().forward(input)
+        # As PyTorch's own CPU dropout: input times a noise tensor of 0 and 1 / (1 - p), kept for the backward.
+        noise = keep_mask(input.shape, dropped_per_2_32).to(input.dtype).div_(1.0 - self.p)
+        return input * noise
+
+
+# ---------------------------------------------------------------------------------------- what the heads share
+
+
+def current_tokens(attention_mask: torch.Tensor | None, length: int) -> torch.Tensor | None:
+    """The tokens among the last `length` columns of a 2D padding mask, (batch, length) bool: the positions of this
+    forward (the mask of a decoding step also covers the cache). None for no mask or a 4D one, which says nothing
+    about padding."""
+    if attention_mask is None or attention_mask.dim() != 2:
+        return None
+    return attention_mask[:, -length:].bool()
+
+
+def with_item_count(kwargs: dict, labels: torch.Tensor) -> dict:
+    """The loss arguments with `num_items_in_batch` (the labels not ignored, at least 1: a tensor, no sync) unless the
+    Trainer passed it: the loss is then a sum over that count, exact under gradient accumulation unlike a per-batch
+    mean, and 0 when every label is ignored, where a mean would be NaN. Float labels (regression) count no items."""
+    if kwargs.get("num_items_in_batch") is not None or labels.is_floating_point():
+        return kwargs
+    return {**kwargs, "num_items_in_batch": (labels != IGNORE_INDEX).sum().clamp(min=1)}
+
+
+def add_router_losses(
+    config: VanillaTransformerConfig,
+    router: RouterRequest,
+    logits: torch.Tensor,
+    loss_of: Callable[[torch.Tensor], torch.Tensor | None],
+    **stacks: tuple,
+) -> tuple[torch.Tensor, torch.Tensor | None, RouterLosses | None]:
+    """The tail of a head with experts: (logits, loss, router losses). The router losses of `stacks` (name -> (router
+    logits of its MoE layers, its token mask or None)) join the gradient through the logits, so that a loss built
+    from the logits alone (the Trainer's label smoothing) trains the routers too, and the head's loss `loss_of(logits)`
+    as a value only (`attach_router_loss`)."""
+    router_losses = router.losses(config, **stacks)
+    logits = with_router_gradient(logits, router_losses)
+    return logits, with_router_value(loss_of(logits), router_losses), router_losses
 
 
 __all__ = [
@@ -1270,12 +1409,15 @@ __all__ = [
     "VanillaTransformerPreTrainedModel",
     "VanillaTransformerRouter",
     "VanillaTransformerSparseMoeBlock",
+    "add_router_losses",
     "build_feed_forward",
     "build_norm",
+    "current_tokens",
     "deepnorm_constants",
     "dropped_token_counts",
     "expert_capacity",
     "ffn_activation",
     "sinusoidal_position_encoding",
+    "with_item_count",
     "within_capacity",
 ]

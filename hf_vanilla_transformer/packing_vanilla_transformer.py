@@ -12,13 +12,14 @@ stalls an accelerator's queue), so the offsets are built on the CPU, once per ba
   `cu_seq_lens_k`/`max_length_k`, the target with `cu_seq_lens_q`/`max_length_q`, as cross-attention reads them
   (queries from the target, keys from the source).
 
-The encoder-decoder turns the offsets into three `AttentionLayout`s once per forward, before either stack runs
-(`seq2seq_layouts`: encoder self-attention source/source, decoder self-attention target/target, cross-attention
-target/source; the source side built once); a stack run alone builds its own (`stack_layout`). Each layout names the
-attention function it runs, so an attention call dispatches on nothing: a variable-length kernel where one runs
-(`varlen_kernel`: torch's `varlen_attn` in either of its signatures, flash-attn's, or transformers' flash
-integration), else the fallback: the queries, keys and values gathered into (sequences, max_length) by indices the
-layout built once, SDPA under the layout's mask, and the rows gathered back.
+The encoder-decoder turns the offsets into three `FlattenedAttention`s once per forward, before either stack runs
+(`seq2seq_flattened_attention`: encoder self-attention source/source, decoder self-attention target/target,
+cross-attention target/source; the source side built once); a stack run alone builds its own
+(`stack_flattened_attention`). A padded batch builds none: its attention calls the config's function from
+transformers' attention interface, as Bart's and Llama's do. A flattened call runs a variable-length kernel where one
+runs (`varlen_kernel`: torch's `varlen_attn` in either of its signatures, flash-attn's, or transformers' flash
+integration), else the fallback: the queries, keys and values gathered into (sequences, max_length) by indices built
+once, the config's attention function under the fallback's mask, and the rows gathered back.
 
 The collator can also pack the pairs into rows of whole sentences, (rows, row_length) with offsets over all their
 tokens: without a kernel each row then runs as a padded batch's row under a mask that keeps each sentence to
@@ -33,7 +34,6 @@ from functools import partial
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.models.llama.modeling_llama import eager_attention_forward
 from transformers.utils import is_flash_attn_2_available
 
 from .inputs_vanilla_transformer import FLATTENED_KEYWORDS, IGNORE_INDEX
@@ -61,7 +61,9 @@ FLASH_ATTN_INSTALLED = is_flash_attn_2_available()
 # The attention implementations that run packed sequences themselves, from the cu_seq_lens_*/max_length_* keywords.
 VARLEN_IMPLEMENTATIONS = ("flash_attention_2", "flash_attention_3", "flash_attention_4")
 
-# The longest sequence at which PyTorch's math SDPA kernel is the faster one for bfloat16/float16 training on a CPU.
+# The longest sequence at which PyTorch's math SDPA kernel is the faster one for bfloat16/float16 training on a CPU:
+# there PyTorch's flash SDPA kernel (its choice) is up to 2.9x slower at short sequences (docs/benchmarks.md,
+# "Figures quoted in the package's docstrings"). The attention module takes the choice (`under_math_sdpa`).
 SHORT_SEQUENCE_ON_CPU = 128
 
 
@@ -131,108 +133,86 @@ class Sequences:
 
 
 @dataclass(frozen=True)
-class AttentionLayout:
-    """How one kind of attention call (encoder self, decoder self, cross) runs in this forward: `attention`, the
-    function called (transformers' attention interface signature), and for a flattened batch the sequences of its
-    queries and keys and the fallback's `mask`, which replaces the stack's: (sequences, 1, max_length_q,
-    max_length_k) over the grids, or (rows, 1, row_length, row_length) over packed rows; keys inside their sequence
-    and, for causal attention, at or before the query (§3.2.3). Built once per model forward."""
+class FlattenedAttention:
+    """How one kind of attention call (encoder self, decoder self, cross) runs over a flattened batch in this forward:
+    the sequences of its queries and keys, `kernel`, a variable-length kernel bound to their offsets (None: the
+    fallback), and the fallback's `mask`, which replaces the stack's: (sequences, 1, max_length_q, max_length_k) over
+    the grids, or (rows, 1, row_length, row_length) over packed rows; keys inside their sequence and, for causal
+    attention, at or before the query (§3.2.3). Built once per model forward."""
 
-    attention: Callable
-    queries: Sequences | None = None
-    keys: Sequences | None = None
+    queries: Sequences
+    keys: Sequences
+    kernel: Callable | None = None
     mask: torch.Tensor | None = None
 
     @classmethod
-    def of(cls, implementation: str, queries, keys, causal: bool, kernel: str | None, dtype, device, longest: int):
-        """The layout of a padded batch (`queries`, `keys` None) or of the given sequences, run by `kernel`
-        (`varlen_kernel`) or, without one, by the model's attention `implementation` under a mask."""
+    def of(cls, queries: Sequences, keys: Sequences, causal: bool, kernel: str | None, dtype) -> "FlattenedAttention":
+        """The attention of the given sequences, run by `kernel` (`varlen_kernel`) or, without one, under a mask."""
         if kernel in VARLEN_IMPLEMENTATIONS:
             offsets = dict(cu_seq_lens_q=queries.cu_seq_lens, cu_seq_lens_k=keys.cu_seq_lens)
             offsets.update(max_length_q=queries.max_length, max_length_k=keys.max_length)
-            return cls(partial(ALL_ATTENTION_FUNCTIONS[kernel], **offsets), queries, keys)
+            return cls(queries, keys, partial(ALL_ATTENTION_FUNCTIONS[kernel], **offsets))
         if kernel is not None:
             kernel_function = torch_varlen_attention if kernel == "torch" else flash_attn_attention
-            return cls(partial(kernel_function, queries=queries, keys=keys), queries, keys)
-        attention = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
-        if (
-            implementation == "sdpa"
-            and torch.device(device).type == "cpu"
-            and dtype in (torch.bfloat16, torch.float16)
-            and torch.is_grad_enabled()
-            and longest <= SHORT_SEQUENCE_ON_CPU
-        ):
-            # Training in half precision on a CPU at short sequences PyTorch's flash SDPA kernel (its choice there) is
-            # up to 2.9x slower than the math one (docs/benchmarks.md, "CPU attention kernels").
-            attention = partial(under_math_sdpa, attention)
-        if queries is None:
-            return cls(attention)
+            return cls(queries, keys, partial(kernel_function, queries=queries, keys=keys))
         if queries.row_sequences is not None:  # packed rows: a key is visible to the queries of its own sequence
             visible = (queries.row_sequences[:, :, None] == keys.row_sequences[:, None, :])[:, None]
             cells_q = visible.shape[-2]
         else:
             visible, cells_q = keys.visible[:, None, None, :], queries.max_length
-            attention = partial(fallback_attention, attention, queries=queries, keys=keys)
         if causal:  # cell i of a sequence (or of a row, which holds whole sequences) sees its cells <= i
             cells = torch.arange(max(cells_q, visible.shape[-1]), device=visible.device)
             visible = visible & (cells[: visible.shape[-1]] <= cells[:cells_q, None])
         # Additive, as eager attention adds it and as SDPA would convert a boolean one in every call.
         mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
-        mask = mask.masked_fill_(~visible, torch.finfo(dtype).min)
-        return cls(attention, queries, keys, mask)
+        return cls(queries, keys, mask=mask.masked_fill_(~visible, torch.finfo(dtype).min))
+
+    def function(self, attention_interface: Callable) -> Callable:
+        """What runs the call, given the config's `attention_interface`: the kernel; or the interface itself on packed
+        rows (under `mask`); or the interface over the (sequences, max_length) grids of a (1, tokens) batch."""
+        if self.kernel is not None:
+            return self.kernel
+        if self.queries.row_sequences is not None:
+            return attention_interface
+        return partial(fallback_attention, attention_interface, queries=self.queries, keys=self.keys)
 
 
-def seq2seq_layouts(config, kwargs: dict, weight: torch.Tensor, training: bool, source_shape, target_shape) -> tuple:
-    """The layouts of an encoder-decoder forward, (encoder self-attention, decoder self-attention, cross-attention),
-    built once before either stack runs; a flattened batch's offsets are taken out of `kwargs` here (the source's
-    sequences built once, for both stacks). `weight`: one of the model's, on the device attention runs on."""
-    # Autocast's dtype where it is on (the Trainer's bf16 keeps float32 weights), else the weights'.
+def flattened_attention_setting(config, weight: torch.Tensor, training: bool) -> tuple[str | None, torch.dtype]:
+    """(the variable-length kernel that runs a flattened batch or None, the dtype attention runs in). `weight`: one
+    of the model's, on the device attention runs on; autocast's dtype where it is on (the Trainer's bf16 keeps float32
+    weights), else the weights'."""
     device = weight.device
     dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else weight.dtype
-    implementation = config._attn_implementation
-    if kwargs.get("cu_seq_lens_q") is None and kwargs.get("cu_seq_lens_k") is None:
-        # Padded: transformers' attention under the stacks' masks (the causal one is the decoder's own), one layout
-        # for all three unless the kinds' lengths choose SDPA's kernel (training on a CPU in half precision).
-        source, target = source_shape[1], target_shape[1]
-        cross = AttentionLayout.of(implementation, None, None, False, None, dtype, device, max(source, target))
-        if not torch.is_grad_enabled() or device.type != "cpu":
-            return cross, cross, cross
-        return (
-            AttentionLayout.of(implementation, None, None, False, None, dtype, device, source),
-            AttentionLayout.of(implementation, None, None, False, None, dtype, device, target),
-            cross,
-        )
-    offsets = {name: kwargs.pop(name) for name in FLATTENED_KEYWORDS if name in kwargs}
     dropout = config.attention_dropout if training else 0.0
-    kernel = varlen_kernel(implementation, device, dtype, dropout)
+    return varlen_kernel(config._attn_implementation, device, dtype, dropout), dtype
+
+
+def seq2seq_flattened_attention(config, kwargs: dict, weight: torch.Tensor, training: bool, source_shape, target_shape):
+    """The (encoder self-attention, decoder self-attention, cross-attention) of a flattened encoder-decoder batch,
+    built once before either stack runs, the source's sequences once for both stacks; its offsets are taken out of
+    `kwargs`. `weight`: see `flattened_attention_setting`."""
+    offsets = {name: kwargs.pop(name) for name in FLATTENED_KEYWORDS if name in kwargs}
+    kernel, dtype = flattened_attention_setting(config, weight, training)
     sources = Sequences.of(offsets["cu_seq_lens_k"], offsets["max_length_k"], source_shape, kernel)
     targets = Sequences.of(offsets["cu_seq_lens_q"], offsets["max_length_q"], target_shape, kernel)
-    longest = max(sources.max_length, targets.max_length)
     return (
-        AttentionLayout.of(implementation, sources, sources, False, kernel, dtype, device, longest),
-        AttentionLayout.of(implementation, targets, targets, True, kernel, dtype, device, longest),
-        AttentionLayout.of(implementation, targets, sources, False, kernel, dtype, device, longest),
+        FlattenedAttention.of(sources, sources, False, kernel, dtype),
+        FlattenedAttention.of(targets, targets, True, kernel, dtype),
+        FlattenedAttention.of(targets, sources, False, kernel, dtype),
     )
 
 
-def stack_layout(config, kwargs: dict, weight: torch.Tensor, training: bool, shape, causal: bool) -> AttentionLayout:
-    """The self-attention layout of a stack run alone (see `seq2seq_layouts`); a flattened batch's sequences are its
-    "q" side (transformers' collator gives "k" too, the same)."""
+def stack_flattened_attention(config, kwargs: dict, weight: torch.Tensor, training: bool, shape, causal: bool):
+    """The self-attention of a flattened batch given to a stack run alone (see `seq2seq_flattened_attention`): its
+    sequences are the "q" side (transformers' collator gives "k" too, the same)."""
     offsets = {name: kwargs.pop(name) for name in FLATTENED_KEYWORDS if name in kwargs}
-    # Autocast's dtype where it is on (the Trainer's bf16 keeps float32 weights), else the weights'.
-    device = weight.device
-    dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else weight.dtype
-    implementation = config._attn_implementation
-    if offsets.get("cu_seq_lens_q") is None:
-        return AttentionLayout.of(implementation, None, None, causal, None, dtype, device, shape[1])
-    dropout = config.attention_dropout if training else 0.0
-    kernel = varlen_kernel(implementation, device, dtype, dropout)
+    kernel, dtype = flattened_attention_setting(config, weight, training)
     sequences = Sequences.of(offsets["cu_seq_lens_q"], offsets["max_length_q"], shape, kernel)
-    return AttentionLayout.of(implementation, sequences, sequences, causal, kernel, dtype, device, sequences.max_length)
+    return FlattenedAttention.of(sequences, sequences, causal, kernel, dtype)
 
 
 def under_math_sdpa(attention: Callable, *args, **kwargs):
-    """`attention` with SDPA restricted to PyTorch's math kernel."""
+    """`attention` with SDPA restricted to PyTorch's math kernel (see `SHORT_SEQUENCE_ON_CPU`)."""
     with sdpa_kernel(SDPBackend.MATH):
         return attention(*args, **kwargs)
 
@@ -318,12 +298,13 @@ def shift_packed_labels(
 
 
 __all__ = [
-    "AttentionLayout",
+    "FlattenedAttention",
     "Sequences",
     "SHORT_SEQUENCE_ON_CPU",
     "VARLEN_IMPLEMENTATIONS",
-    "seq2seq_layouts",
+    "seq2seq_flattened_attention",
     "shift_packed_labels",
-    "stack_layout",
+    "stack_flattened_attention",
+    "under_math_sdpa",
     "varlen_kernel",
 ]

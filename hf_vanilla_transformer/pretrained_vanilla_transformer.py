@@ -48,7 +48,7 @@ class LoadSaveShardMixin:
         declared = HEADS.get(cls.__name__)
         if (
             declared is not None
-            and "encoder-decoder" not in declared.layouts
+            and "encoder-decoder" not in declared.checkpoint_kinds
             and cls.checkpoint_config(pretrained_model_name_or_path, config, kwargs).is_encoder_decoder
         ):
             # Its weights sit under model.encoder / model.decoder, which a single-stack head's `model` does not have:
@@ -117,13 +117,6 @@ class LoadSaveShardMixin:
         if distributed_config is not None:
             check_parallelism(model, distributed_config)
         return super().maybe_distribute_model(model, distributed_config, mesh_manager)
-
-    @classmethod
-    def _can_set_attn_implementation(cls) -> bool:
-        # transformers greps the module of `cls` for an attention class and, if it finds one, for
-        # "ALL_ATTENTION_FUNCTIONS.get_interface(": the attention class is in the modeling file, the lookup in the
-        # attention layouts (packing_vanilla_transformer.py), which read `config._attn_implementation` every forward.
-        return True
 
     @classmethod
     def _can_set_experts_implementation(cls) -> bool:

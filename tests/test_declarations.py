@@ -71,7 +71,7 @@ def test_every_declared_class_is_public_and_registered_with_its_auto_class(name)
 def test_a_checkpoint_names_every_head_that_can_load_it_and_carries_its_code(tmp_path, kind):
     torch.manual_seed(0)
     config = tiny_config(**KIND_CONFIGS[kind])
-    loaders = [name for name, head in HEADS.items() if kind in head.layouts and name != "VanillaTransformerModel"]
+    loaders = [name for name, head in HEADS.items() if kind in head.checkpoint_kinds and name != "VanillaTransformerModel"]
     saved = declared_class(loaders[0])(config)
     saved.save_pretrained(tmp_path)
     written = json.loads((tmp_path / "config.json").read_text())["auto_map"]
@@ -90,7 +90,7 @@ def test_a_checkpoint_names_every_head_that_can_load_it_and_carries_its_code(tmp
 def test_model_card_tags_are_tasks_transformers_has_a_pipeline_for(name):
     head = HEADS[name]
     assert head.pipeline_tag is None or head.pipeline_tag in get_supported_tasks()
-    config = tiny_config(**KIND_CONFIGS[head.layouts[0]], architectures=[name])
+    config = tiny_config(**KIND_CONFIGS[head.checkpoint_kinds[0]], architectures=[name])
     card = build_model_card(config)
     assert card.data.pipeline_tag == head.pipeline_tag
     assert f"{head.auto_class}.from_pretrained(" in card.text and head.usage.splitlines()[0] in card.text
@@ -131,7 +131,7 @@ def test_every_model_has_its_expected_outputs():
 def test_each_model_returns_its_tasks_output_class_dense_and_with_experts(name, experts):
     """A dense model returns the dense class itself, with no router logits; with experts and `output_router_logits`
     the MoE class, whose router logits hold one tensor per layer of each stack."""
-    model_class, kind = STACKS[name] if name in STACKS else (declared_class(name), HEADS[name].layouts[0])
+    model_class, kind = STACKS[name] if name in STACKS else (declared_class(name), HEADS[name].checkpoint_kinds[0])
     config = tiny_config(**KIND_CONFIGS[kind], num_experts=experts, output_router_logits=experts > 0)
     torch.manual_seed(0)
     ids = torch.randint(3, 64, (2, 5))

@@ -16,6 +16,8 @@ import torch
 from conftest import tiny_config
 from test_accelerator_path import SyncCounter
 from transformers import DataCollatorWithFlattening
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.llama.modeling_llama import eager_attention_forward
 
 from hf_vanilla_transformer import (
     DataCollatorForSeq2SeqWithFlattening,
@@ -284,20 +286,18 @@ def attention_case(kind: str, implementation: str = "sdpa", empty_sequence: bool
     return module, query, key, value, queries, keys
 
 
-def layout_of(module, queries, keys, causal: bool, kernel: str | None) -> packing.AttentionLayout:
+def layout_of(module, queries, keys, causal: bool, kernel: str | None) -> packing.FlattenedAttention:
     def sequences(offsets):
         lengths = offsets[1:] - offsets[:-1]
         return Sequences.of(offsets, int(lengths.max()), (1, int(offsets[-1])), kernel)
 
-    queries, keys = sequences(queries), sequences(keys)
-    longest = max(queries.max_length, keys.max_length)
-    implementation = module.config._attn_implementation
-    return packing.AttentionLayout.of(implementation, queries, keys, causal, kernel, torch.float32, "cpu", longest)
+    return packing.FlattenedAttention.of(sequences(queries), sequences(keys), causal, kernel, torch.float32)
 
 
-def packed_attention(module, query, key, value, layout: packing.AttentionLayout):
-    """One attention call as the model makes it: the layout's function, under its mask."""
-    return layout.attention(module, query, key, value, layout.mask, scaling=0.3)
+def packed_attention(module, query, key, value, flattened: packing.FlattenedAttention):
+    """One attention call as the model makes it: the function it runs, under its mask."""
+    interface = ALL_ATTENTION_FUNCTIONS.get_interface(module.config._attn_implementation, eager_attention_forward)
+    return flattened.function(interface)(module, query, key, value, flattened.mask, scaling=0.3)
 
 
 def heads_first(*tensors):

@@ -15,7 +15,7 @@ from hf_vanilla_transformer import (
     VanillaTransformerForConditionalGeneration,
     VanillaTransformerForMaskedLM,
 )
-from hf_vanilla_transformer.packing_vanilla_transformer import SHORT_SEQUENCE_ON_CPU, AttentionLayout
+from hf_vanilla_transformer.packing_vanilla_transformer import SHORT_SEQUENCE_ON_CPU
 
 
 def test_post_norm_layer_is_layernorm_of_sum():
@@ -27,12 +27,11 @@ def test_post_norm_layer_is_layernorm_of_sum():
         torch.nn.init.normal_(norm.weight)
         torch.nn.init.normal_(norm.bias)
     x = torch.randn(2, 5, 32)
-    layout = AttentionLayout.of("sdpa", None, None, False, None, torch.float32, "cpu", 5)
     with torch.no_grad():
-        attention, _ = layer.self_attn(x, None, layout)
+        attention, _ = layer.self_attn(x, None)
         attended = layer.self_attn_connection.norm(x + attention)
         expected = layer.mlp_connection.norm(attended + layer.mlp(attended))
-        torch.testing.assert_close(layer(x, None, attention_layout=layout), expected)
+        torch.testing.assert_close(layer(x, None), expected)
 
 
 def flash_kernel_use_in_a_step(model, batch, dtype: torch.dtype, grad: bool) -> set[bool]:

@@ -114,7 +114,10 @@ class SingleStackTaskHead(VanillaTransformerPreTrainedModel):
         )
 
     def with_router_losses(self, router, logits, loss_of, outputs, attention_mask) -> tuple:
-        """(logits, loss) with the router losses of the stack's MoE layers, over its tokens (`add_router_losses`)."""
+        """(logits, loss): the head's loss (`loss_of(logits)`), and with experts (`router`) the router losses of the
+        stack's MoE layers, over its tokens, joined to its gradient (`add_router_losses`)."""
+        if router is None:
+            return logits, loss_of(logits)
         tokens = current_tokens(attention_mask, outputs.last_hidden_state.shape[1])
         stack = "decoder" if self.config.is_decoder else "encoder"
         logits, loss, _ = add_router_losses(
@@ -156,10 +159,7 @@ class ClassifierHead(SingleStackTaskHead):
         states = self.classified_states(outputs.last_hidden_state, attention_mask, input_ids)
         logits = self.classifier(self.dropout(states))
         loss_of = partial(self.classification_loss, labels=labels, **kwargs)
-        if router is None:
-            loss = loss_of(logits)
-        else:
-            logits, loss = self.with_router_losses(router, logits, loss_of, outputs, attention_mask)
+        logits, loss = self.with_router_losses(router, logits, loss_of, outputs, attention_mask)
         return self.output_class(
             loss=loss,
             logits=logits,
@@ -267,10 +267,8 @@ class VanillaTransformerForQuestionAnswering(SingleStackTaskHead):
         outputs = self.run_stack(input_ids, attention_mask, inputs_embeds, router, **kwargs)
         logits = self.qa_outputs(outputs.last_hidden_state)
         loss_of = partial(self.span_loss, start_positions=start_positions, end_positions=end_positions, **kwargs)
-        if router is None:
-            loss = loss_of(logits)
-        else:  # before the split, so that a loss built from either half carries them once
-            logits, loss = self.with_router_losses(router, logits, loss_of, outputs, attention_mask)
+        # The router losses join before the split, so that a loss built from either half carries them once.
+        logits, loss = self.with_router_losses(router, logits, loss_of, outputs, attention_mask)
         start_logits, end_logits = split_span_logits(logits)
         return QuestionAnsweringModelOutput(
             loss=loss,

@@ -42,6 +42,25 @@ PARAMETER_RENAMES = [
 ]
 SKIPPED_PARAMETERS = re.compile(r"\.embed_positions\.")
 
+# Marian's config fields that this config names and reads the same way (both use BART's names), copied as they are.
+SAME_FIELDS = (
+    "vocab_size",
+    "d_model",
+    "encoder_layers",
+    "decoder_layers",
+    "encoder_attention_heads",
+    "decoder_attention_heads",
+    "encoder_ffn_dim",
+    "decoder_ffn_dim",
+    "max_position_embeddings",
+    "scale_embedding",
+    "pad_token_id",
+    "bos_token_id",
+    "eos_token_id",
+    "decoder_start_token_id",
+    "forced_eos_token_id",
+)
+
 TOKENIZER_FILES = (*MarianTokenizer.vocab_files_names.values(), "special_tokens_map.json", "tokenizer.json")
 
 
@@ -67,15 +86,7 @@ def marian_config_to_vanilla_transformer(
     if config.encoder_layerdrop or config.decoder_layerdrop:
         logger.warning("LayerDrop only acts in training and is not carried over.")
     return VanillaTransformerConfig(
-        vocab_size=config.vocab_size,
-        d_model=config.d_model,
-        encoder_layers=config.encoder_layers,
-        decoder_layers=config.decoder_layers,
-        encoder_attention_heads=config.encoder_attention_heads,
-        decoder_attention_heads=config.decoder_attention_heads,
-        encoder_ffn_dim=config.encoder_ffn_dim,
-        decoder_ffn_dim=config.decoder_ffn_dim,
-        max_position_embeddings=config.max_position_embeddings,
+        **{name: getattr(config, name) for name in SAME_FIELDS},
         dropout=float(config.dropout),
         attention_dropout=float(config.attention_dropout),
         activation_dropout=float(config.activation_dropout),
@@ -86,15 +97,9 @@ def marian_config_to_vanilla_transformer(
         ffn_type=FFN_FOR_ACTIVATION[config.activation_function],
         position_embedding_type="sinusoidal",
         sinusoidal_layout="concatenated",
-        scale_embedding=config.scale_embedding,
         share_encoder_decoder_embeddings=share_encoder_decoder_embeddings,
         tie_word_embeddings=tie_word_embeddings,
         lm_head_bias=True,
-        pad_token_id=config.pad_token_id,
-        bos_token_id=config.bos_token_id,
-        eos_token_id=config.eos_token_id,
-        decoder_start_token_id=config.decoder_start_token_id,
-        forced_eos_token_id=config.forced_eos_token_id,
     )
 
 

@@ -47,6 +47,10 @@ def _check_convertible(config) -> None:
         raise ValueError(f"num_labels={config.num_labels}: ViT without a classifier has no equivalent head here.")
 
 
+# ViT's config fields that this config names and reads the same way, copied as they are.
+SAME_FIELDS = ("initializer_range", "image_size", "patch_size", "num_channels", "problem_type")
+
+
 def vit_config_to_vanilla_transformer(config) -> VanillaTransformerConfig:
     """The `VanillaTransformerConfig` of an image classifier computing the same function as a ViT `config`."""
     _check_convertible(config)
@@ -66,13 +70,9 @@ def vit_config_to_vanilla_transformer(config) -> VanillaTransformerConfig:
         ffn_type=FFN_FOR_ACTIVATION[config.hidden_act],
         use_bias=True,
         classifier_pooling="first",
-        initializer_range=config.initializer_range,
-        image_size=config.image_size,
-        patch_size=config.patch_size,
-        num_channels=config.num_channels,
         id2label=dict(config.id2label),
         label2id=dict(config.label2id),
-        problem_type=config.problem_type,
+        **{name: getattr(config, name) for name in SAME_FIELDS},
     )
 
 

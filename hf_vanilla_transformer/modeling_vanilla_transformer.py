@@ -1277,7 +1277,6 @@ class VanillaTransformerModel(VanillaTransformerPreTrainedModel):
             decoder_router_logits=decoder_outputs.router_logits,
         )
 
-
     def flattened_attention(
         self, kwargs, input_ids, inputs_embeds, encoder_outputs, decoder_input_ids, decoder_inputs_embeds
     ) -> tuple[FlattenedAttention, FlattenedAttention, FlattenedAttention]:

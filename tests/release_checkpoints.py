@@ -34,9 +34,7 @@ def generate(model, mode: str) -> list[list[int]]:
     input_ids = torch.tensor(SOURCE[:1] if mode == "prompt_lookup" else SOURCE)
     torch.manual_seed(0)
     with torch.no_grad():
-        tokens = model.generate(
-            input_ids, attention_mask=(input_ids != 0).long(), max_new_tokens=10, **DECODING[mode]
-        )
+        tokens = model.generate(input_ids, attention_mask=(input_ids != 0).long(), max_new_tokens=10, **DECODING[mode])
     return tokens.tolist()
 
 

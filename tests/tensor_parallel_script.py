@@ -20,6 +20,7 @@ import torch.distributed as dist
 from conftest import padded_batch, tiny_config
 from torch.distributed.tensor import DTensor
 from transformers.distributed import DistributedConfig
+
 try:  # transformers' own, as the reference for the rules the plans keep
     from transformers.distributed.parallel_utils import replace_layer_number_by_wildcard
 except ImportError:  # before transformers 5.23

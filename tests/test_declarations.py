@@ -71,7 +71,9 @@ def test_every_declared_class_is_public_and_registered_with_its_auto_class(name)
 def test_a_checkpoint_names_every_head_that_can_load_it_and_carries_its_code(tmp_path, kind):
     torch.manual_seed(0)
     config = tiny_config(**KIND_CONFIGS[kind])
-    loaders = [name for name, head in HEADS.items() if kind in head.checkpoint_kinds and name != "VanillaTransformerModel"]
+    loaders = [
+        name for name, head in HEADS.items() if kind in head.checkpoint_kinds and name != "VanillaTransformerModel"
+    ]
     saved = declared_class(loaders[0])(config)
     saved.save_pretrained(tmp_path)
     written = json.loads((tmp_path / "config.json").read_text())["auto_map"]

@@ -218,7 +218,7 @@ def test_a_source_without_padding_decodes_without_a_cross_attention_mask():
             with_ones_tokens = model.generate(source, attention_mask=ones, **options)
         assert torch.equal(with_ones_tokens, tokens)
         # The mask's one read (`all`, and the `_local_scalar_dense` of its bool) is the only extra work.
-        assert with_ones.total - without_mask.total <= 2, (with_ones.counts - without_mask.counts)
+        assert with_ones.total - without_mask.total <= 2, with_ones.counts - without_mask.counts
         padded_mask = torch.ones_like(source)
         padded_mask[1, 5:] = 0  # the second source is 5 tokens long
         padded = model.generate(source, attention_mask=padded_mask, **options)

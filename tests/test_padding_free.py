@@ -199,7 +199,9 @@ def test_packed_rows_hold_whole_sentences_in_the_same_order_on_both_sides():
     with pytest.raises(ValueError, match="needs row_length"):
         DataCollatorForSeq2SeqWithFlattening(decoder_start_token_id=1, pad_token_id=0, num_rows=2)
     with pytest.raises(ValueError, match="one-row layout"):
-        DataCollatorForSeq2SeqWithFlattening(decoder_start_token_id=1, pad_token_id=0, row_length=5, pad_to_multiple_of=4)
+        DataCollatorForSeq2SeqWithFlattening(
+            decoder_start_token_id=1, pad_token_id=0, row_length=5, pad_to_multiple_of=4
+        )
     with pytest.raises(ValueError, match=r"needs 5 sequence slots \(one per pair and one per row for its padding\)"):
         DataCollatorForSeq2SeqWithFlattening(decoder_start_token_id=1, pad_token_id=0, row_length=5, num_sequences=4)(
             features

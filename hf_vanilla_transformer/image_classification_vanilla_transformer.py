@@ -231,8 +231,8 @@ class VanillaTransformerForImageClassification(VanillaTransformerImagePreTrained
         if router is None:
             loss = loss_of(logits)
         else:  # every patch is a token: no padding to leave out of the router losses
-            stacks = dict(encoder=(outputs.router_logits, None))
-            logits, loss, _ = add_router_losses(self.config, router, logits, loss_of, **stacks)
+            encoder = (outputs.router_logits, None)
+            logits, loss, _ = add_router_losses(self.config, router, logits, loss_of, encoder=encoder)
         return ImageClassifierOutput(
             loss=loss,
             logits=logits,

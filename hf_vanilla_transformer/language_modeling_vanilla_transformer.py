@@ -402,8 +402,8 @@ class VanillaTransformerForMaskedLM(LanguageModelingHead):
         else:  # the router losses join the gradient (see the seq2seq head); not reported apart
             tokens = current_tokens(attention_mask, outputs.last_hidden_state.shape[1])
             loss_of = partial(self.token_loss, targets=labels, **kwargs)
-            stacks = dict(encoder=(outputs.router_logits, tokens))
-            logits, loss, _ = add_router_losses(self.config, router, logits, loss_of, **stacks)
+            encoder = (outputs.router_logits, tokens)
+            logits, loss, _ = add_router_losses(self.config, router, logits, loss_of, encoder=encoder)
         return MaskedLMOutput(
             loss=loss,
             logits=None if skip_logits else logits,

@@ -1,11 +1,11 @@
 """How the models load, save and shard: the `PreTrainedModel` methods they override, apart from the model code.
 
-    load    an encoder-decoder checkpoint is refused by the heads on one stack; a tied source missing from the
-            checkpoint stays missing (and is initialised); experts run "sorted_grouped_mm" unless asked otherwise
-    save    `auto_map` names every head that can load the checkpoint, and the code of each is copied beside it (a
-            model loaded as remote code fetches the heads' code its load did not copy from its checkpoint)
-    shard   the parallelism plans keep the rules that name a module of the model; what transformers' engine cannot
-            shard is refused before any weight is read; tied weights gathered from shards are saved once
+load    an encoder-decoder checkpoint is refused by the heads on one stack; a tied source missing from the
+        checkpoint stays missing (and is initialised); experts run "sorted_grouped_mm" unless asked otherwise
+save    `auto_map` names every head that can load the checkpoint, and the code of each is copied beside it (a
+        model loaded as remote code fetches the heads' code its load did not copy from its checkpoint)
+shard   the parallelism plans keep the rules that name a module of the model; what transformers' engine cannot
+        shard is refused before any weight is read; tied weights gathered from shards are saved once
 """
 
 import re

@@ -21,7 +21,6 @@ Examples:
 """
 
 import logging
-import sys
 from copy import deepcopy
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,6 +46,7 @@ from run_common import (
     parse_script_arguments,
     pretrained_model_kwargs,
     round_up,
+    run_script,
     save_run,
     schedule_description,
 )
@@ -422,4 +422,4 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_script(main)

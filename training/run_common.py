@@ -7,7 +7,6 @@ import json
 import logging
 import math
 import os
-import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -825,13 +824,3 @@ def perplexity_metrics(training_args: Any) -> set[str]:
     """What the language-model scripts' evaluations report: the loss, and the perplexity where every evaluation is
     the script's own (after training); the Trainer's evaluations during training report the loss only."""
     return {"loss"} if evaluates_during_training(training_args) else {"loss", "perplexity"}
-
-
-def run_script(main: Callable[[list[str]], Any]) -> None:
-    """A training script's command line: `main` on its arguments, then, on a rank of a distributed run, the process
-    group destroyed, as torch asks before a program exits. Left to the interpreter's teardown, a rank's collective
-    threads can abort it after a finished run ("terminate called without an active exception", seen with FSDP on
-    CPU: 3 of 11 runs of tests/test_distributed.py's FSDP tests under load, none of 7 with this)."""
-    main(sys.argv[1:])
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()

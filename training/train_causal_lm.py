@@ -11,6 +11,7 @@ English arithmetic sentences (training/demo_data.py). Optimisation defaults to t
         --warmup_steps 100
 """
 
+import sys
 from dataclasses import dataclass, field
 from itertools import chain
 
@@ -30,7 +31,6 @@ from run_common import (
     parse_script_arguments,
     perplexity_metrics,
     pretrained_model_kwargs,
-    run_script,
     save_run,
     schedule_description,
     train_then_evaluate_perplexity,
@@ -198,4 +198,4 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
 
 if __name__ == "__main__":
-    run_script(main)
+    main(sys.argv[1:])

@@ -11,6 +11,7 @@ neither the built-in topic language (training/demo_text_data.py).
     python training/train_classifier.py --model_name_or_path out/mlm --output_dir out/clf --do_train --do_eval
 """
 
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -32,7 +33,6 @@ from run_common import (
     plot_training_curves,
     plt,
     required_split,
-    run_script,
 )
 from run_control import RunArguments, check_output_dir, train_and_choose_weights
 from train_causal_lm import PaperTrainer
@@ -269,4 +269,4 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
 
 if __name__ == "__main__":
-    run_script(main)
+    main(sys.argv[1:])

@@ -23,6 +23,7 @@ training/run_control.py.
 """
 
 import math
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,7 +39,6 @@ from run_common import (
     parse_script_arguments,
     plot_training_curves,
     pretrained_model_kwargs,
-    run_script,
 )
 from run_control import check_output_dir, train_and_choose_weights
 from train_causal_lm import PaperTrainer
@@ -338,4 +338,4 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
 
 if __name__ == "__main__":
-    run_script(main)
+    main(sys.argv[1:])

@@ -11,6 +11,7 @@ predicts the originals. Data: a Hub dataset (--dataset_name), local csv/json/jso
         --warmup_steps 100
 """
 
+import sys
 from dataclasses import dataclass, field
 
 from demo_text_data import unlabelled_text, word_tokenizer
@@ -25,7 +26,6 @@ from run_common import (
     parse_script_arguments,
     perplexity_metrics,
     required_split,
-    run_script,
     save_run,
     schedule_description,
     train_then_evaluate_perplexity,
@@ -129,4 +129,4 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
 
 if __name__ == "__main__":
-    run_script(main)
+    main(sys.argv[1:])

@@ -21,6 +21,7 @@ Examples:
 """
 
 import logging
+import sys
 from copy import deepcopy
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,7 +47,6 @@ from run_common import (
     parse_script_arguments,
     pretrained_model_kwargs,
     round_up,
-    run_script,
     save_run,
     schedule_description,
 )
@@ -422,4 +422,4 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
 
 if __name__ == "__main__":
-    run_script(main)
+    main(sys.argv[1:])

@@ -7,11 +7,10 @@ weight init, the two stacks and the encoder-decoder base model; then dropout (§
 what the heads share (their losses' item count, the router-loss tails). Section numbers in comments refer to the paper.
 
 Beside this file: the checks of the inputs (inputs_vanilla_transformer, run once where the base model or a stack
-run alone receives them; a head checks only its labels), a flattened batch's attention and kernels
-(packing_vanilla_transformer: how each kind of attention runs over its sequences, built once per model forward), the
-experts' kernels (moe_kernels_vanilla_transformer) and the heads. Masks come from `transformers.masking_utils`; the
-decoder cache is an `EncoderDecoderCache`. Nothing here reads a tensor's values on the host: a step runs without
-waiting for the device.
+run alone receives them; a head checks only its labels), a flattened batch's attention and kernels (packing_vanilla_transformer: how each
+kind of attention runs over its sequences, built once per model forward), the experts' kernels
+(moe_kernels_vanilla_transformer) and the heads. Masks come from `transformers.masking_utils`; the decoder cache is an
+`EncoderDecoderCache`. Nothing here reads a tensor's values on the host: a step runs without waiting for the device.
 """
 
 import functools

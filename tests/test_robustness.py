@@ -26,7 +26,6 @@ from hf_vanilla_transformer import (
     VanillaTransformerForConditionalGeneration,
     VanillaTransformerForSequenceClassification,
     VanillaTransformerForTokenClassification,
-    VanillaTransformerModel,
 )
 from hf_vanilla_transformer.moe_kernels_vanilla_transformer import SORTED_GROUPED_MM, grouped_mm_takes
 
@@ -288,16 +287,6 @@ def corruptions(head: type, ids: torch.Tensor, mask: torch.Tensor) -> dict[str, 
                 dict(encoder_outputs=(torch.randn(batch + 1, length, TINY["d_model"]),), decoder_input_ids=ids),
                 "batch size",
             ),
-            "neither decoder inputs nor labels": (dict(input_ids=ids, attention_mask=mask), "decoder_input_ids"),
-            # The head shifts the labels of a flattened batch at the target's offsets before the model checks them.
-            "target offsets past the tokens, labels only": (
-                dict(input_ids=ids, labels=labels, **flattened_offsets(batch * length, start=batch * length + 2)),
-                "cu_seq_lens_q",
-            ),
-            "target offsets in a list, labels only": (
-                dict(input_ids=ids, labels=labels, **flattened_offsets(batch * length, as_list=True)),
-                "cu_seq_lens_q",
-            ),
         }
     else:
         cases["negative position_ids"] = (
@@ -305,15 +294,6 @@ def corruptions(head: type, ids: torch.Tensor, mask: torch.Tensor) -> dict[str, 
             "position_ids",
         )
     return cases
-
-
-def flattened_offsets(tokens: int, start: int = 0, as_list: bool = False) -> dict:
-    """The offsets of a flattened batch of `tokens` source and target tokens, the target's second sequence starting at
-    `start` (0: one sequence each side), its offsets a list where `as_list`."""
-    target = [0, start, tokens] if start else [0, tokens]
-    offsets = dict(cu_seq_lens_q=target if as_list else torch.tensor(target, dtype=torch.int32))
-    offsets.update(cu_seq_lens_k=torch.tensor([0, tokens], dtype=torch.int32), max_length_q=tokens)
-    return dict(offsets, max_length_k=tokens)
 
 
 def case_names(head: type) -> list[str]:
@@ -388,25 +368,6 @@ def test_moe_router_logits_with_beam_search_on_a_padded_batch(head):
     mask = mask.flip(1) if head is VanillaTransformerForCausalLM else mask
     out = model.generate(ids, attention_mask=mask, num_beams=3, max_new_tokens=4, return_dict_in_generate=True)
     assert out.sequences.shape[0] == 2
-
-
-def test_the_base_model_without_a_target_names_decoder_input_ids():
-    """As Marian's: the encoder-decoder needs a target (its heads shift their labels into one)."""
-    model = VanillaTransformerModel(VanillaTransformerConfig(**TINY))
-    with pytest.raises(ValueError, match="decoder_input_ids"):
-        model(input_ids=torch.randint(3, TINY["vocab_size"], (2, 4)))
-
-
-@pytest.mark.parametrize("bad_mask", ["a list", "another batch"])
-def test_a_classifier_on_the_causal_decoder_names_a_bad_attention_mask(bad_mask):
-    """Its positions are derived from the mask (restarting after left padding), before the decoder checks its inputs:
-    a bad mask must still be refused as the mask, not as positions the caller never passed."""
-    config = VanillaTransformerConfig(**TINY, is_encoder_decoder=False, is_decoder=True)
-    model = VanillaTransformerForSequenceClassification(config).eval()
-    ids, mask = torch.randint(3, TINY["vocab_size"], (2, 4)), torch.ones(2, 4, dtype=torch.long)
-    mask = mask.tolist() if bad_mask == "a list" else torch.cat([mask, mask])
-    with pytest.raises((TypeError, ValueError), match="attention_mask"):
-        model(input_ids=ids, attention_mask=mask)
 
 
 @pytest.mark.parametrize("field", ["pad_token_id", "decoder_start_token_id"])

@@ -22,6 +22,7 @@ from transformers.utils import TransformersKwargs, can_return_tuple
 from .configuration_vanilla_transformer import VanillaTransformerConfig
 from .inputs_vanilla_transformer import (
     check_sequence_classification_labels,
+    check_stack_inputs,
     check_token_ids,
     labels_outside,
 )
@@ -31,9 +32,9 @@ from .modeling_vanilla_transformer import (
     VanillaTransformerDecoder,
     VanillaTransformerEncoder,
     VanillaTransformerPreTrainedModel,
+    add_router_losses,
     current_tokens,
     with_item_count,
-    with_router_losses,
 )
 from .router_losses_vanilla_transformer import RouterRequest
 
@@ -46,7 +47,7 @@ def runs_causal_decoder(config: VanillaTransformerConfig) -> bool:
 def positions_after_left_padding(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
     """Position ids that start at 0 on each row's first real token, as `generate` gives left-padded prompts: a row's
     outputs then do not depend on the padding in front of it. Padding positions get 0 (they are masked anyway)."""
-    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:  # the decoder refuses the others
+    if attention_mask is None or attention_mask.dim() != 2:
         return None
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
@@ -96,6 +97,9 @@ class SingleStackTaskHead(VanillaTransformerPreTrainedModel):
                 f"{type(self).__name__} has one output per sequence and cannot take a flattened batch "
                 "(cu_seq_lens_q/k): pass the sequences padded, with an attention_mask."
             )
+        check_stack_inputs(
+            self.config, input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask, offsets=kwargs
+        )
         if self.config.is_decoder:
             # One pass over the whole input, no cache to fill; positions restart at each row's first token.
             kwargs = dict(kwargs, use_cache=False, position_ids=positions_after_left_padding(attention_mask))
@@ -105,8 +109,21 @@ class SingleStackTaskHead(VanillaTransformerPreTrainedModel):
             attention_mask=attention_mask,
             inputs_embeds=inputs_embeds,
             output_router_logits=router is not None and router.compute,
+            check_inputs=False,
             **kwargs,
         )
+
+    def with_router_losses(self, router, logits, loss_of, outputs, attention_mask) -> tuple:
+        """(logits, loss): the head's loss (`loss_of(logits)`), and with experts (`router`) the router losses of the
+        stack's MoE layers, over its tokens, joined to its gradient (`add_router_losses`)."""
+        if router is None:
+            return logits, loss_of(logits)
+        tokens = current_tokens(attention_mask, outputs.last_hidden_state.shape[1])
+        stack = "decoder" if self.config.is_decoder else "encoder"
+        logits, loss, _ = add_router_losses(
+            self.config, router, logits, loss_of, **{stack: (outputs.router_logits, tokens)}
+        )
+        return logits, loss
 
 
 class ClassifierHead(SingleStackTaskHead):
@@ -142,7 +159,7 @@ class ClassifierHead(SingleStackTaskHead):
         states = self.classified_states(outputs.last_hidden_state, attention_mask, input_ids)
         logits = self.classifier(self.dropout(states))
         loss_of = partial(self.classification_loss, labels=labels, **kwargs)
-        logits, loss = with_router_losses(self.config, router, logits, loss_of, outputs, attention_mask)
+        logits, loss = self.with_router_losses(router, logits, loss_of, outputs, attention_mask)
         return self.output_class(
             loss=loss,
             logits=logits,
@@ -251,7 +268,7 @@ class VanillaTransformerForQuestionAnswering(SingleStackTaskHead):
         logits = self.qa_outputs(outputs.last_hidden_state)
         loss_of = partial(self.span_loss, start_positions=start_positions, end_positions=end_positions, **kwargs)
         # The router losses join before the split, so that a loss built from either half carries them once.
-        logits, loss = with_router_losses(self.config, router, logits, loss_of, outputs, attention_mask)
+        logits, loss = self.with_router_losses(router, logits, loss_of, outputs, attention_mask)
         start_logits, end_logits = split_span_logits(logits)
         return QuestionAnsweringModelOutput(
             loss=loss,

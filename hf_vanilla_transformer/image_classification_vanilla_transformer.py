@@ -29,7 +29,7 @@ from .modeling_vanilla_transformer import (
     MoeEncoderOutput,
     VanillaTransformerEncoder,
     VanillaTransformerPreTrainedModel,
-    with_router_losses,
+    add_router_losses,
 )
 from .router_losses_vanilla_transformer import RouterRequest
 
@@ -228,8 +228,11 @@ class VanillaTransformerForImageClassification(VanillaTransformerImagePreTrained
         )
         logits = self.classifier(self.dropout(self.pooled(outputs.last_hidden_state)))
         loss_of = partial(self.classification_loss, labels=labels, **kwargs)
-        # Every patch is a token: no padding mask to leave out of the router losses.
-        logits, loss = with_router_losses(self.config, router, logits, loss_of, outputs, attention_mask=None)
+        if router is None:
+            loss = loss_of(logits)
+        else:  # every patch is a token: no padding to leave out of the router losses
+            encoder = (outputs.router_logits, None)
+            logits, loss, _ = add_router_losses(self.config, router, logits, loss_of, encoder=encoder)
         return ImageClassifierOutput(
             loss=loss,
             logits=logits,

@@ -1,5 +1,5 @@
-"""Checks of the tensors a model is called with, run in one call where the base model or a stack run alone receives
-them (the base model's stacks trust what it checked); a head checks its labels and calls the model it wraps.
+"""Checks of the tensors a model is called with, run in one call where a head, the base model or a stack run alone
+receives them (the stacks trust what they are given).
 
 Each check raises a `TypeError` (wrong kind of tensor) or `ValueError` (wrong shape or value) naming the argument,
 what it got and what it expects, before a torch op fails deep inside the model with a message about its internals or,
@@ -36,7 +36,7 @@ def require(condition: torch.Tensor, message: str) -> None:
 
 
 @contextmanager
-def raises_value_error(error_type: type[Exception] | tuple[type[Exception], ...], message: str):
+def raises_value_error(error_type: type[Exception], message: str):
     """Replace an `error_type` raised inside by a ValueError with `message`: for the checks a kernel makes anyway, a
     loss's of its targets, whose CPU errors name no argument (on an accelerator they assert on the device). Free:
     nothing runs unless it failed."""
@@ -178,12 +178,14 @@ def check_stack_inputs(
     cache: Any = None,
     offsets: dict | None = None,
     prefix: str = "",
+    labels: torch.Tensor | None = None,
     first_layer: int = 0,
 ) -> None:
     """Everything one stack reads: exactly one of its ids or embeddings, its positions, its mask (over the keys of
-    the decoder `cache` and the inputs), and run alone on a flattened batch the offsets in `offsets` (a stack's "q"
-    side; transformers' collator gives "k" too, equal). `prefix`: "decoder_" for the target side of an
-    encoder-decoder, as the caller names its inputs; `first_layer`: see `mask_key_length`."""
+    the decoder `cache` and the inputs), run alone on a flattened batch the offsets in `offsets` (a stack's
+    "q" side; transformers' collator gives "k" too, equal), and a language-model head's token `labels`, aligned with
+    the inputs. `prefix`: "decoder_" for the target side of an encoder-decoder, as the caller names its inputs;
+    `first_layer`: see `mask_key_length`."""
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError(f"Pass exactly one of {prefix}input_ids or {prefix}inputs_embeds.")
     if input_ids is not None:
@@ -191,9 +193,6 @@ def check_stack_inputs(
     else:
         check_inputs_embeds(inputs_embeds, config.d_model, f"{prefix}inputs_embeds")
     batch_size, length = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
-    if attention_mask is not None:  # before the positions, which a head may have derived from it
-        key_length = mask_key_length(cache, length, first_layer)
-        check_attention_mask(attention_mask, batch_size, length, key_length, f"{prefix}attention_mask")
     if position_ids is not None:
         check_token_ids(position_ids if position_ids.dim() == 2 else position_ids[None], "position_ids")
         if position_ids.shape[-1] != length or position_ids.dim() == 2 and position_ids.shape[0] not in (1, batch_size):
@@ -202,6 +201,11 @@ def check_stack_inputs(
                 f"length={length})."
             )
         require((position_ids >= 0).all(), "position_ids must be >= 0.")
+    if attention_mask is not None:
+        key_length = mask_key_length(cache, length, first_layer)
+        check_attention_mask(attention_mask, batch_size, length, key_length, f"{prefix}attention_mask")
+    if labels is not None:
+        check_token_ids(labels, f"labels (aligned with {prefix}input_ids)", (batch_size, length))
     for side in ("q", "k") if offsets and offsets.get("cu_seq_lens_q") is not None else ():
         check_offsets(offsets.get(f"cu_seq_lens_{side}"), offsets.get(f"max_length_{side}"), (batch_size, length), side)
 
@@ -212,25 +216,26 @@ def check_seq2seq_inputs(
     input_ids: torch.Tensor | None = None,
     attention_mask: torch.Tensor | None = None,
     inputs_embeds: torch.Tensor | None = None,
-    position_ids: torch.Tensor | None = None,
     encoder_hidden_states: Any = None,
     decoder_input_ids: torch.Tensor | None = None,
     decoder_attention_mask: torch.Tensor | None = None,
     decoder_inputs_embeds: torch.Tensor | None = None,
-    decoder_position_ids: torch.Tensor | None = None,
     cache: Any = None,
-    offsets: dict | None = None,
+    labels: torch.Tensor | None = None,
+    kwargs: dict | None = None,
+    skip_logits: bool = False,
 ) -> None:
     """Everything an encoder-decoder reads, in one call: the source (or the given encoder output's states and the mask
-    over them), the target (a head has shifted its labels into it where none was given), and a flattened batch's
-    `offsets`, each side's against its tokens."""
+    over them), the target (absent where the labels will be shifted into it), the labels aligned with the target (needed
+    with `skip_logits`), and a flattened batch's offsets (`kwargs`, which also carry the position ids)."""
+    kwargs = kwargs or {}
     if encoder_hidden_states is None:
         check_stack_inputs(
             config,
             input_ids=input_ids,
             inputs_embeds=inputs_embeds,
             attention_mask=attention_mask,
-            position_ids=position_ids,
+            position_ids=kwargs.get("position_ids"),
         )
         source = input_ids if input_ids is not None else inputs_embeds
     else:  # generate passes the encoder output at every step; the mask over it is checked against its shape
@@ -238,23 +243,29 @@ def check_seq2seq_inputs(
         check_inputs_embeds(source, config.d_model, "encoder_outputs.last_hidden_state")
         if attention_mask is not None:  # generate drops a mask without padding: no call at its steps
             check_attention_mask(attention_mask, source.shape[0], 1, source.shape[1], "attention_mask")
-    check_stack_inputs(
-        config,
-        input_ids=decoder_input_ids,
-        inputs_embeds=decoder_inputs_embeds,
-        attention_mask=decoder_attention_mask,
-        position_ids=decoder_position_ids,
-        cache=cache,
-        prefix="decoder_",
-    )
     target = decoder_input_ids if decoder_input_ids is not None else decoder_inputs_embeds
-    if target.shape[0] != source.shape[0]:
+    if target is not None:
+        check_stack_inputs(
+            config,
+            input_ids=decoder_input_ids,
+            inputs_embeds=decoder_inputs_embeds,
+            attention_mask=decoder_attention_mask,
+            position_ids=kwargs.get("decoder_position_ids"),
+            cache=cache,
+            prefix="decoder_",
+        )
+    if skip_logits and labels is None:
+        raise ValueError(SKIP_LOGITS_WITHOUT_LABELS)
+    if labels is not None:
+        check_token_ids(labels, "labels (aligned with decoder_input_ids)", None if target is None else target.shape[:2])
+    target = target if target is not None else labels
+    if target is not None and target.shape[0] != source.shape[0]:
         raise ValueError(
             f"decoder_input_ids (or labels) has batch size {target.shape[0]} but the source has {source.shape[0]}: "
             "they must be equal (a batch of packed rows has as many source rows as target rows)."
         )
-    if offsets and (offsets.get("cu_seq_lens_q") is not None or offsets.get("cu_seq_lens_k") is not None):
-        check_seq2seq_offsets(offsets, target, source)
+    if kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None:
+        check_seq2seq_offsets(kwargs, target, source)
 
 
 def check_seq2seq_offsets(kwargs: dict, target: torch.Tensor, source: torch.Tensor) -> None:

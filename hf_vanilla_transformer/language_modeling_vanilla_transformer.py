@@ -29,8 +29,8 @@ from .inputs_vanilla_transformer import (
     IGNORE_INDEX,
     SKIP_LOGITS_WITHOUT_LABELS,
     check_can_shift_labels,
-    check_token_ids,
-    raises_value_error,
+    check_seq2seq_inputs,
+    check_stack_inputs,
 )
 from .modeling_vanilla_transformer import (
     CACHE_FIELD,
@@ -43,7 +43,6 @@ from .modeling_vanilla_transformer import (
     current_tokens,
     given_cache,
     with_item_count,
-    with_router_losses,
 )
 from .packing_vanilla_transformer import shift_packed_labels
 from .router_losses_vanilla_transformer import RouterRequest
@@ -113,11 +112,10 @@ class VanillaTransformerForConditionalGeneration(LanguageModelingHead, VanillaTr
         """Teacher forcing: the labels shifted right behind `decoder_start_token_id`, -100 replaced by
         `pad_token_id`; per sequence in a flattened batch (`cu_seq_lens`, the target's offsets)."""
         check_can_shift_labels(self.config.pad_token_id, self.config.decoder_start_token_id)
-        if cu_seq_lens is not None:  # checked by the base model after this: here only what indexing refuses
-            with raises_value_error((AttributeError, IndexError), "cu_seq_lens_q must index the target's tokens"):
-                return shift_packed_labels(
-                    labels, cu_seq_lens, self.config.pad_token_id, self.config.decoder_start_token_id
-                )
+        if cu_seq_lens is not None:
+            return shift_packed_labels(
+                labels, cu_seq_lens, self.config.pad_token_id, self.config.decoder_start_token_id
+            )
         return shift_tokens_right(labels, self.config.pad_token_id, self.config.decoder_start_token_id)
 
     @can_return_tuple
@@ -153,15 +151,22 @@ class VanillaTransformerForConditionalGeneration(LanguageModelingHead, VanillaTr
         """
         if past_key_values is not None:  # from transformers 5.24 generate passes `cache`: no call at its steps
             cache = given_cache(cache, past_key_values)
-        if skip_logits and labels is None:
-            raise ValueError(SKIP_LOGITS_WITHOUT_LABELS)
-        if labels is not None:  # the base model checks its inputs, the head its labels
-            target = decoder_input_ids if decoder_input_ids is not None else decoder_inputs_embeds
-            check_token_ids(
-                labels, "labels (aligned with decoder_input_ids)", None if target is None else target.shape[:2]
-            )
-            if target is None:
-                decoder_input_ids = self.prepare_decoder_input_ids_from_labels(labels, kwargs.get("cu_seq_lens_q"))
+        check_seq2seq_inputs(
+            self.config,
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            inputs_embeds=inputs_embeds,
+            encoder_hidden_states=None if encoder_outputs is None else encoder_outputs[0],
+            decoder_input_ids=decoder_input_ids,
+            decoder_attention_mask=decoder_attention_mask,
+            decoder_inputs_embeds=decoder_inputs_embeds,
+            cache=cache,
+            labels=labels,
+            kwargs=kwargs,
+            skip_logits=skip_logits,
+        )
+        if labels is not None and decoder_input_ids is None and decoder_inputs_embeds is None:
+            decoder_input_ids = self.prepare_decoder_input_ids_from_labels(labels, kwargs.get("cu_seq_lens_q"))
         router = RouterRequest.of(self.config, labels, output_router_logits) if self.num_experts else None
         outputs = self.model(
             input_ids,
@@ -175,6 +180,7 @@ class VanillaTransformerForConditionalGeneration(LanguageModelingHead, VanillaTr
             decoder_inputs_embeds=decoder_inputs_embeds,
             use_cache=False if labels is not None or self.training and use_cache is None else use_cache,  # as BART
             output_router_logits=router is not None and router.compute,
+            check_inputs=False,
             **kwargs,
         )
         hidden_states = outputs.last_hidden_state
@@ -274,10 +280,18 @@ class VanillaTransformerForCausalLM(LanguageModelingHead, VanillaTransformerGene
         With experts the output is a `MoeCausalLMOutput` (Mixtral's, plus `z_loss`); the weighted router losses are
         already in the gradient of any loss built from `logits` (see `attach_router_loss`).
         """
-        cache = given_cache(cache, past_key_values)
-        if labels is not None:  # the decoder checks its inputs, the head its labels
-            inputs = input_ids if input_ids is not None else inputs_embeds
-            check_token_ids(labels, "labels (aligned with input_ids)", None if inputs is None else inputs.shape[:2])
+        cache, first_layer = given_cache(cache, past_key_values), self.model.first_layer_run
+        check_stack_inputs(
+            self.config,
+            input_ids=input_ids,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            offsets=kwargs,
+            labels=labels,
+            first_layer=first_layer,
+        )
         targets = self.next_token_targets(labels, kwargs.get("shift_labels"))
         if skip_logits and targets is None:
             raise ValueError(SKIP_LOGITS_WITHOUT_LABELS)
@@ -291,6 +305,7 @@ class VanillaTransformerForCausalLM(LanguageModelingHead, VanillaTransformerGene
             inputs_embeds=inputs_embeds,
             use_cache=False if targets is not None or self.training and use_cache is None else use_cache,
             output_router_logits=router is not None and router.compute,
+            check_inputs=False,
             **kwargs,
         )
         logits = self.lm_head(slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep))
@@ -361,11 +376,16 @@ class VanillaTransformerForMaskedLM(LanguageModelingHead):
         skip_logits (`bool`, *optional*, defaults to `False`):
             Return the loss without logits (`logits=None`): a training step that reads only the loss. Needs labels.
         """
+        check_stack_inputs(
+            self.config,
+            input_ids=input_ids,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            offsets=kwargs,
+            labels=labels,
+        )
         if skip_logits and labels is None:
             raise ValueError(SKIP_LOGITS_WITHOUT_LABELS)
-        if labels is not None:  # the encoder checks its inputs, the head its labels
-            inputs = input_ids if input_ids is not None else inputs_embeds
-            check_token_ids(labels, "labels (aligned with input_ids)", None if inputs is None else inputs.shape[:2])
         router = RouterRequest.of(self.config, labels, output_router_logits) if self.num_experts else None
         outputs = self.model(
             return_dict=True,  # the head reads fields; its own return_dict applies to its output
@@ -373,12 +393,17 @@ class VanillaTransformerForMaskedLM(LanguageModelingHead):
             attention_mask=attention_mask,
             inputs_embeds=inputs_embeds,
             output_router_logits=router is not None and router.compute,
+            check_inputs=False,
             **kwargs,
         )
         logits = self.lm_head(slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep))
-        loss_of = partial(self.token_loss, targets=labels, **kwargs)
-        # With experts the router losses join the gradient (see the seq2seq head); not reported apart.
-        logits, loss = with_router_losses(self.config, router, logits, loss_of, outputs, attention_mask)
+        if router is None:
+            loss = self.token_loss(logits, labels, **kwargs)
+        else:  # the router losses join the gradient (see the seq2seq head); not reported apart
+            tokens = current_tokens(attention_mask, outputs.last_hidden_state.shape[1])
+            loss_of = partial(self.token_loss, targets=labels, **kwargs)
+            encoder = (outputs.router_logits, tokens)
+            logits, loss, _ = add_router_losses(self.config, router, logits, loss_of, encoder=encoder)
         return MaskedLMOutput(
             loss=loss,
             logits=None if skip_logits else logits,

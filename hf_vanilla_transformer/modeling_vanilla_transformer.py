@@ -4,10 +4,10 @@ What every forward runs, read top to bottom as in transformers' own modeling fil
 (§3.4, §3.5), the norms and their placement around each sub-layer (§3.1), the position-wise FFN and its GLU
 variants (§3.3), the Mixture-of-Experts block that can replace it, multi-head attention (§3.2), the layer, the
 weight init, the two stacks and the encoder-decoder base model; then dropout (§5.4) with its cheaper CPU mask, and
-what the heads share (their losses' item count, the router-loss tails). Section numbers in comments refer to the paper.
+what the heads share (their losses' item count, the router-loss tail). Section numbers in comments refer to the paper.
 
-Beside this file: the checks of the inputs (inputs_vanilla_transformer, run once where the base model or a stack
-run alone receives them; a head checks only its labels), a flattened batch's attention and kernels (packing_vanilla_transformer: how each
+Beside this file: the checks of the inputs (inputs_vanilla_transformer, run once where a head, the base model or a
+stack run alone receives them), a flattened batch's attention and kernels (packing_vanilla_transformer: how each
 kind of attention runs over its sequences, built once per model forward), the experts' kernels
 (moe_kernels_vanilla_transformer) and the heads. Masks come from `transformers.masking_utils`; the decoder cache is an
 `EncoderDecoderCache`. Nothing here reads a tensor's values on the host: a step runs without waiting for the device.
@@ -925,7 +925,7 @@ class VanillaTransformerEncoder(VanillaTransformerStack):
             How its attention runs over a flattened batch, built by the encoder-decoder for both stacks; built here
             from `cu_seq_lens_q`/`max_length_q` when the encoder runs alone.
         check_inputs (`bool`, defaults to `True`):
-            False where the base model checked the inputs of both stacks together (`check_seq2seq_inputs`).
+            False where the caller (a head, the base model) checked the inputs.
         """
         if check_inputs:
             check_stack_inputs(
@@ -1002,7 +1002,7 @@ class VanillaTransformerDecoder(VanillaTransformerStack):
             How its self- and cross-attention run over a flattened batch, built by the encoder-decoder for both
             stacks; built here when the decoder runs alone.
         check_inputs (`bool`, defaults to `True`):
-            False where the base model checked the inputs of both stacks together (`check_seq2seq_inputs`).
+            False where the caller (a head, the base model) checked the inputs.
         past_key_values (`Cache`, *optional*):
             The name of `cache` before transformers 5.24.
         """
@@ -1097,9 +1097,8 @@ class VanillaTransformerDecoder(VanillaTransformerStack):
             decoder_input_ids=input_ids,
             decoder_attention_mask=attention_mask,
             decoder_inputs_embeds=inputs_embeds,
-            decoder_position_ids=position_ids,
             cache=cache,
-            offsets=kwargs,
+            kwargs=dict(kwargs, decoder_position_ids=position_ids),
         )
 
     def flattened_attention(self, kwargs: dict, shape: tuple[int, int], encoder_hidden_states) -> tuple:
@@ -1193,6 +1192,7 @@ class VanillaTransformerModel(VanillaTransformerPreTrainedModel):
         position_ids: torch.LongTensor | None = None,
         decoder_position_ids: torch.LongTensor | None = None,
         use_cache: bool | None = None,
+        check_inputs: bool = True,
         past_key_values: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> Seq2SeqModelOutput:  # Seq2SeqMoEModelOutput with experts
@@ -1200,6 +1200,8 @@ class VanillaTransformerModel(VanillaTransformerPreTrainedModel):
         decoder_position_ids (`torch.LongTensor` of shape `(batch_size, target_length)`, *optional*):
             The target positions (default: 0, 1, ... after the cache; in a flattened batch, restarting at each
             sequence).
+        check_inputs (`bool`, defaults to `True`):
+            False where the caller (a head) checked the inputs.
         past_key_values (`Cache`, *optional*):
             The name of `cache` before transformers 5.24.
 
@@ -1208,20 +1210,19 @@ class VanillaTransformerModel(VanillaTransformerPreTrainedModel):
         """
         if past_key_values is not None:  # the heads pass `cache`: no call on a decoding step
             cache = given_cache(cache, past_key_values)
-        check_seq2seq_inputs(
-            self.config,
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            inputs_embeds=inputs_embeds,
-            position_ids=position_ids,
-            encoder_hidden_states=None if encoder_outputs is None else encoder_outputs[0],
-            decoder_input_ids=decoder_input_ids,
-            decoder_attention_mask=decoder_attention_mask,
-            decoder_inputs_embeds=decoder_inputs_embeds,
-            decoder_position_ids=decoder_position_ids,
-            cache=cache,
-            offsets=kwargs,
-        )
+        if check_inputs:
+            check_seq2seq_inputs(
+                self.config,
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                inputs_embeds=inputs_embeds,
+                encoder_hidden_states=None if encoder_outputs is None else encoder_outputs[0],
+                decoder_input_ids=decoder_input_ids,
+                decoder_attention_mask=decoder_attention_mask,
+                decoder_inputs_embeds=decoder_inputs_embeds,
+                cache=cache,
+                kwargs=dict(kwargs, position_ids=position_ids, decoder_position_ids=decoder_position_ids),
+            )
         encoder_attention = decoder_attention = cross_attention = None
         if is_flattened(kwargs):  # each kind of attention over the batch's sequences: built once, for both stacks
             encoder_attention, decoder_attention, cross_attention = self.flattened_attention(
@@ -1384,25 +1385,6 @@ def add_router_losses(
     return logits, with_router_value(loss_of(logits), router_losses), router_losses
 
 
-def with_router_losses(
-    config: VanillaTransformerConfig,
-    router: RouterRequest | None,
-    logits: torch.Tensor,
-    loss_of: Callable[[torch.Tensor], torch.Tensor | None],
-    outputs: MoeEncoderOutput | MoeDecoderOutput,
-    attention_mask: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(logits, loss) of a head on one stack: its loss `loss_of(logits)` and, with experts (`router`), the router
-    losses of the stack's MoE layers over its tokens (those of `attention_mask`; all of them without one, as every
-    patch of an image), joined to its gradient (`add_router_losses`)."""
-    if router is None:
-        return logits, loss_of(logits)
-    tokens = current_tokens(attention_mask, outputs.last_hidden_state.shape[1])
-    stack = "decoder" if config.is_decoder else "encoder"
-    logits, loss, _ = add_router_losses(config, router, logits, loss_of, **{stack: (outputs.router_logits, tokens)})
-    return logits, loss
-
-
 __all__ = [
     "Dropout",
     "FeedForward",
@@ -1436,6 +1418,5 @@ __all__ = [
     "ffn_activation",
     "sinusoidal_position_encoding",
     "with_item_count",
-    "with_router_losses",
     "within_capacity",
 ]

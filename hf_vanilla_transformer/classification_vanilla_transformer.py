@@ -22,7 +22,6 @@ from transformers.utils import TransformersKwargs, can_return_tuple
 from .configuration_vanilla_transformer import VanillaTransformerConfig
 from .inputs_vanilla_transformer import (
     check_sequence_classification_labels,
-    check_stack_inputs,
     check_token_ids,
     labels_outside,
 )
@@ -97,19 +96,18 @@ class SingleStackTaskHead(VanillaTransformerPreTrainedModel):
                 f"{type(self).__name__} has one output per sequence and cannot take a flattened batch "
                 "(cu_seq_lens_q/k): pass the sequences padded, with an attention_mask."
             )
-        check_stack_inputs(
-            self.config, input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask, offsets=kwargs
-        )
         if self.config.is_decoder:
-            # One pass over the whole input, no cache to fill; positions restart at each row's first token.
-            kwargs = dict(kwargs, use_cache=False, position_ids=positions_after_left_padding(attention_mask))
+            # One pass over the whole input, no cache to fill; unless given, positions restart at each row's first
+            # token.
+            kwargs["use_cache"] = False
+            if kwargs.get("position_ids") is None:
+                kwargs["position_ids"] = positions_after_left_padding(attention_mask)
         return self.model(
             return_dict=True,  # the head reads fields; its own return_dict applies to its output
             input_ids=input_ids,
             attention_mask=attention_mask,
             inputs_embeds=inputs_embeds,
             output_router_logits=router is not None and router.compute,
-            check_inputs=False,
             **kwargs,
         )
 

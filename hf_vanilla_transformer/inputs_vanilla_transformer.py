@@ -178,14 +178,18 @@ def check_stack_inputs(
     cache: Any = None,
     offsets: dict | None = None,
     prefix: str = "",
-    labels: torch.Tensor | None = None,
     first_layer: int = 0,
+    encoder_hidden_states: Any = None,
+    encoder_attention_mask: torch.Tensor | None = None,
+    offsets_side: str = "q",
 ) -> None:
-    """Everything one stack reads: exactly one of its ids or embeddings, its positions, its mask (over the keys of
-    the decoder `cache` and the inputs), run alone on a flattened batch the offsets in `offsets` (a stack's
-    "q" side; transformers' collator gives "k" too, equal), and a language-model head's token `labels`, aligned with
-    the inputs. `prefix`: "decoder_" for the target side of an encoder-decoder, as the caller names its inputs;
-    `first_layer`: see `mask_key_length`."""
+    """Everything one stack reads, checked where the stack receives it: exactly one of its ids or embeddings, its
+    positions, its mask (over the keys of the decoder `cache` and the inputs), a flattened batch's offsets in
+    `offsets` (the stack's own sequences, "q"; transformers' collator gives "k" too, equal), and, for a decoder under
+    an encoder, the encoder's output, the mask over it (its shape: the encoder checked its values) and the source's
+    offsets ("k"). `prefix`: "decoder_" for the target side of an encoder-decoder, as its callers name the inputs;
+    `offsets_side`: the side its own offsets have in the batch a user gives (an encoder-decoder's source is its "k"
+    side); `first_layer`: see `mask_key_length`."""
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError(f"Pass exactly one of {prefix}input_ids or {prefix}inputs_embeds.")
     if input_ids is not None:
@@ -193,96 +197,75 @@ def check_stack_inputs(
     else:
         check_inputs_embeds(inputs_embeds, config.d_model, f"{prefix}inputs_embeds")
     batch_size, length = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
-    if position_ids is not None:
-        check_token_ids(position_ids if position_ids.dim() == 2 else position_ids[None], "position_ids")
-        if position_ids.shape[-1] != length or position_ids.dim() == 2 and position_ids.shape[0] not in (1, batch_size):
-            raise ValueError(
-                f"position_ids has shape {tuple(position_ids.shape)}, expected (batch={batch_size} or 1, "
-                f"length={length})."
-            )
-        require((position_ids >= 0).all(), "position_ids must be >= 0.")
     if attention_mask is not None:
         key_length = mask_key_length(cache, length, first_layer)
         check_attention_mask(attention_mask, batch_size, length, key_length, f"{prefix}attention_mask")
-    if labels is not None:
-        check_token_ids(labels, f"labels (aligned with {prefix}input_ids)", (batch_size, length))
-    for side in ("q", "k") if offsets and offsets.get("cu_seq_lens_q") is not None else ():
-        check_offsets(offsets.get(f"cu_seq_lens_{side}"), offsets.get(f"max_length_{side}"), (batch_size, length), side)
-
-
-def check_seq2seq_inputs(
-    config,
-    *,
-    input_ids: torch.Tensor | None = None,
-    attention_mask: torch.Tensor | None = None,
-    inputs_embeds: torch.Tensor | None = None,
-    encoder_hidden_states: Any = None,
-    decoder_input_ids: torch.Tensor | None = None,
-    decoder_attention_mask: torch.Tensor | None = None,
-    decoder_inputs_embeds: torch.Tensor | None = None,
-    cache: Any = None,
-    labels: torch.Tensor | None = None,
-    kwargs: dict | None = None,
-    skip_logits: bool = False,
-) -> None:
-    """Everything an encoder-decoder reads, in one call: the source (or the given encoder output's states and the mask
-    over them), the target (absent where the labels will be shifted into it), the labels aligned with the target (needed
-    with `skip_logits`), and a flattened batch's offsets (`kwargs`, which also carry the position ids)."""
-    kwargs = kwargs or {}
-    if encoder_hidden_states is None:
-        check_stack_inputs(
-            config,
-            input_ids=input_ids,
-            inputs_embeds=inputs_embeds,
-            attention_mask=attention_mask,
-            position_ids=kwargs.get("position_ids"),
-        )
-        source = input_ids if input_ids is not None else inputs_embeds
-    else:  # generate passes the encoder output at every step; the mask over it is checked against its shape
-        source = encoder_hidden_states
-        check_inputs_embeds(source, config.d_model, "encoder_outputs.last_hidden_state")
-        if attention_mask is not None:  # generate drops a mask without padding: no call at its steps
-            check_attention_mask(attention_mask, source.shape[0], 1, source.shape[1], "attention_mask")
-    target = decoder_input_ids if decoder_input_ids is not None else decoder_inputs_embeds
-    if target is not None:
-        check_stack_inputs(
-            config,
-            input_ids=decoder_input_ids,
-            inputs_embeds=decoder_inputs_embeds,
-            attention_mask=decoder_attention_mask,
-            position_ids=kwargs.get("decoder_position_ids"),
-            cache=cache,
-            prefix="decoder_",
-        )
-    if skip_logits and labels is None:
-        raise ValueError(SKIP_LOGITS_WITHOUT_LABELS)
-    if labels is not None:
-        check_token_ids(labels, "labels (aligned with decoder_input_ids)", None if target is None else target.shape[:2])
-    target = target if target is not None else labels
-    if target is not None and target.shape[0] != source.shape[0]:
-        raise ValueError(
-            f"decoder_input_ids (or labels) has batch size {target.shape[0]} but the source has {source.shape[0]}: "
-            "they must be equal (a batch of packed rows has as many source rows as target rows)."
-        )
-    if kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None:
-        check_seq2seq_offsets(kwargs, target, source)
-
-
-def check_seq2seq_offsets(kwargs: dict, target: torch.Tensor, source: torch.Tensor) -> None:
-    """A flattened encoder-decoder batch: the target's offsets ("q") and the source's ("k") come together, each
-    checked against its side's tokens, and pair each target sequence with one source sequence."""
-    for side, tokens in (("q", target), ("k", source)):
-        if kwargs.get(f"cu_seq_lens_{side}") is None:
+    if position_ids is not None:
+        name = f"{prefix}position_ids"
+        check_token_ids(position_ids if position_ids.dim() == 2 else position_ids[None], name)
+        if position_ids.shape[-1] != length or position_ids.dim() == 2 and position_ids.shape[0] not in (1, batch_size):
             raise ValueError(
-                "A flattened batch flattens the source and the target: cu_seq_lens_q and cu_seq_lens_k come together."
+                f"{name} has shape {tuple(position_ids.shape)}, expected (batch={batch_size} or 1, length={length})."
             )
-        check_offsets(kwargs[f"cu_seq_lens_{side}"], kwargs.get(f"max_length_{side}"), tuple(tokens.shape[:2]), side)
-    targets, sources = kwargs["cu_seq_lens_q"].shape[0] - 1, kwargs["cu_seq_lens_k"].shape[0] - 1
+        require((position_ids >= 0).all(), f"{name} must be >= 0.")
+    source_shape = (batch_size, length)
+    if encoder_hidden_states is not None:
+        source_shape = check_encoder_output(encoder_hidden_states, encoder_attention_mask, config, batch_size, length)
+    if offsets and (offsets.get("cu_seq_lens_q") is not None or offsets.get("cu_seq_lens_k") is not None):
+        cross_attention = encoder_hidden_states is not None
+        check_flattened_offsets(offsets, (batch_size, length), source_shape, cross_attention, offsets_side)
+
+
+def check_encoder_output(encoder_hidden_states: Any, encoder_attention_mask, config, batch_size: int, length: int):
+    """What a decoder reads from the encoder: its output, (batch, source length, d_model) with the decoder's batch,
+    and the padding mask over it (its shape; the encoder checked its values). Named as the encoder-decoder takes
+    them. Returns the source's (batch, length)."""
+    check_inputs_embeds(encoder_hidden_states, config.d_model, "encoder_outputs.last_hidden_state")
+    source_batch, source_length = encoder_hidden_states.shape[:2]
+    if source_batch != batch_size:
+        raise ValueError(
+            f"decoder_input_ids (or labels) has batch size {batch_size} but the source has {source_batch}: they must "
+            "be equal (a batch of packed rows has as many source rows as target rows)."
+        )
+    if encoder_attention_mask is not None:
+        check_attention_mask(encoder_attention_mask, batch_size, length, source_length, "attention_mask", False)
+    return source_batch, source_length
+
+
+def check_flattened_offsets(
+    offsets: dict, shape: tuple[int, int], source_shape: tuple[int, int], cross_attention: bool, side: str = "q"
+) -> None:
+    """A flattened batch: the stack's own offsets ("q") against its tokens, the "k" side against the source's
+    (equal to "q" for a stack alone); under an encoder both come, and pair each target sequence with one source
+    sequence."""
+    queries, keys = offsets.get("cu_seq_lens_q"), offsets.get("cu_seq_lens_k")
+    if queries is None or keys is None and cross_attention:
+        raise ValueError(
+            "A flattened batch flattens the source and the target: cu_seq_lens_q and cu_seq_lens_k come together."
+            if cross_attention
+            else "A flattened batch gives its offsets as cu_seq_lens_q (and max_length_q)."
+        )
+    check_offsets(queries, offsets.get("max_length_q"), shape, side)
+    if keys is not None and keys is not queries:  # the encoder's or transformers' collator's are the same tensor
+        check_offsets(keys, offsets.get("max_length_k"), source_shape, "k")
+    if not cross_attention:
+        return
+    targets, sources = queries.shape[0] - 1, keys.shape[0] - 1
     if targets != sources:
         raise ValueError(
             f"cu_seq_lens_q has {targets} sequences and cu_seq_lens_k {sources}: cross-attention pairs each target "
             "sequence with one source sequence."
         )
+
+
+def check_token_labels(labels: Any, inputs: torch.Tensor | None, name: str, skip_logits: bool = False) -> None:
+    """A language-model head's token labels: (batch, length) ids aligned with `inputs`, the ids or embeddings named
+    `name` (None where the labels will be shifted into the decoder's input); `skip_logits` needs them."""
+    if labels is None:
+        if skip_logits:
+            raise ValueError(SKIP_LOGITS_WITHOUT_LABELS)
+        return
+    check_token_ids(labels, f"labels (aligned with {name})", None if inputs is None else inputs.shape[:2])
 
 
 def check_can_shift_labels(pad_token_id: int | None, decoder_start_token_id: int | None) -> None:
@@ -334,11 +317,13 @@ __all__ = [
     "check_can_shift_labels",
     "check_inputs_embeds",
     "check_offsets",
-    "check_seq2seq_inputs",
+    "check_encoder_output",
+    "check_flattened_offsets",
     "check_sequence_classification_labels",
     "SKIP_LOGITS_WITHOUT_LABELS",
     "check_stack_inputs",
     "check_token_ids",
+    "check_token_labels",
     "mask_key_length",
     "labels_outside",
     "raises_value_error",

@@ -29,8 +29,7 @@ from .inputs_vanilla_transformer import (
     IGNORE_INDEX,
     SKIP_LOGITS_WITHOUT_LABELS,
     check_can_shift_labels,
-    check_seq2seq_inputs,
-    check_stack_inputs,
+    check_token_labels,
 )
 from .modeling_vanilla_transformer import (
     CACHE_FIELD,
@@ -149,22 +148,8 @@ class VanillaTransformerForConditionalGeneration(LanguageModelingHead, VanillaTr
         With experts (`num_experts > 0`) the output is a `Seq2SeqMoEOutput` with per-stack balancing and z-losses;
         their weighted sum is already in the gradient of any loss built from `logits` (see `attach_router_loss`).
         """
-        if past_key_values is not None:  # from transformers 5.24 generate passes `cache`: no call at its steps
-            cache = given_cache(cache, past_key_values)
-        check_seq2seq_inputs(
-            self.config,
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            inputs_embeds=inputs_embeds,
-            encoder_hidden_states=None if encoder_outputs is None else encoder_outputs[0],
-            decoder_input_ids=decoder_input_ids,
-            decoder_attention_mask=decoder_attention_mask,
-            decoder_inputs_embeds=decoder_inputs_embeds,
-            cache=cache,
-            labels=labels,
-            kwargs=kwargs,
-            skip_logits=skip_logits,
-        )
+        target = decoder_input_ids if decoder_input_ids is not None else decoder_inputs_embeds
+        check_token_labels(labels, target, "decoder_input_ids", skip_logits)
         if labels is not None and decoder_input_ids is None and decoder_inputs_embeds is None:
             decoder_input_ids = self.prepare_decoder_input_ids_from_labels(labels, kwargs.get("cu_seq_lens_q"))
         router = RouterRequest.of(self.config, labels, output_router_logits) if self.num_experts else None
@@ -175,12 +160,11 @@ class VanillaTransformerForConditionalGeneration(LanguageModelingHead, VanillaTr
             decoder_input_ids=decoder_input_ids,
             decoder_attention_mask=decoder_attention_mask,
             encoder_outputs=encoder_outputs,
-            cache=cache,
+            cache=given_cache(cache, past_key_values),
             inputs_embeds=inputs_embeds,
             decoder_inputs_embeds=decoder_inputs_embeds,
             use_cache=False if labels is not None or self.training and use_cache is None else use_cache,  # as BART
             output_router_logits=router is not None and router.compute,
-            check_inputs=False,
             **kwargs,
         )
         hidden_states = outputs.last_hidden_state
@@ -280,18 +264,7 @@ class VanillaTransformerForCausalLM(LanguageModelingHead, VanillaTransformerGene
         With experts the output is a `MoeCausalLMOutput` (Mixtral's, plus `z_loss`); the weighted router losses are
         already in the gradient of any loss built from `logits` (see `attach_router_loss`).
         """
-        cache, first_layer = given_cache(cache, past_key_values), self.model.first_layer_run
-        check_stack_inputs(
-            self.config,
-            input_ids=input_ids,
-            inputs_embeds=inputs_embeds,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            cache=cache,
-            offsets=kwargs,
-            labels=labels,
-            first_layer=first_layer,
-        )
+        check_token_labels(labels, input_ids if input_ids is not None else inputs_embeds, "input_ids")
         targets = self.next_token_targets(labels, kwargs.get("shift_labels"))
         if skip_logits and targets is None:
             raise ValueError(SKIP_LOGITS_WITHOUT_LABELS)
@@ -301,11 +274,10 @@ class VanillaTransformerForCausalLM(LanguageModelingHead, VanillaTransformerGene
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            cache=cache,
+            cache=given_cache(cache, past_key_values),
             inputs_embeds=inputs_embeds,
             use_cache=False if targets is not None or self.training and use_cache is None else use_cache,
             output_router_logits=router is not None and router.compute,
-            check_inputs=False,
             **kwargs,
         )
         logits = self.lm_head(slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep))
@@ -376,16 +348,7 @@ class VanillaTransformerForMaskedLM(LanguageModelingHead):
         skip_logits (`bool`, *optional*, defaults to `False`):
             Return the loss without logits (`logits=None`): a training step that reads only the loss. Needs labels.
         """
-        check_stack_inputs(
-            self.config,
-            input_ids=input_ids,
-            inputs_embeds=inputs_embeds,
-            attention_mask=attention_mask,
-            offsets=kwargs,
-            labels=labels,
-        )
-        if skip_logits and labels is None:
-            raise ValueError(SKIP_LOGITS_WITHOUT_LABELS)
+        check_token_labels(labels, input_ids if input_ids is not None else inputs_embeds, "input_ids", skip_logits)
         router = RouterRequest.of(self.config, labels, output_router_logits) if self.num_experts else None
         outputs = self.model(
             return_dict=True,  # the head reads fields; its own return_dict applies to its output
@@ -393,7 +356,6 @@ class VanillaTransformerForMaskedLM(LanguageModelingHead):
             attention_mask=attention_mask,
             inputs_embeds=inputs_embeds,
             output_router_logits=router is not None and router.compute,
-            check_inputs=False,
             **kwargs,
         )
         logits = self.lm_head(slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep))

@@ -44,14 +44,16 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_vanilla_transformer import GATED_FFN_TYPES, StackName, VanillaTransformerConfig
-from .inputs_vanilla_transformer import IGNORE_INDEX, check_seq2seq_inputs, check_stack_inputs, require
+from .inputs_vanilla_transformer import IGNORE_INDEX, check_stack_inputs, require
 from .moe_kernels_vanilla_transformer import VanillaTransformerExperts
 from .packing_vanilla_transformer import (
-    SHORT_SEQUENCE_ON_CPU,
-    FlattenedAttention,
-    seq2seq_flattened_attention,
-    stack_flattened_attention,
-    under_math_sdpa,
+    VARLEN_IMPLEMENTATIONS,
+    block_attention_mask,
+    flattened_attention_kernel,
+    positions_in_sequences,
+    sequence_index,
+    split_offsets,
+    varlen_attention,
 )
 from .pretrained_vanilla_transformer import LoadSaveShardMixin
 from .router_losses_vanilla_transformer import RouterLosses, RouterRequest, with_router_gradient, with_router_value
@@ -584,8 +586,9 @@ class VanillaTransformerAttention(nn.Module):
 
     Self-attention reads keys and values from its own input; cross-attention (`is_cross_attention`) from
     `key_value_states`, the encoder output (§3.2.3). The config's attention function runs it, from transformers'
-    attention interface as in Bart and Llama; over a flattened batch `flattened_attention` (built once per model
-    forward, packing_vanilla_transformer) runs it per sequence, with a variable-length kernel or under its own mask.
+    attention interface as in Bart and Llama. Over a flattened batch a variable-length kernel runs it where one runs
+    (the stack leaves the batch's offsets in `kwargs`, as transformers passes them), else the config's function under
+    the block mask the stack built (packing_vanilla_transformer).
     """
 
     def __init__(
@@ -619,7 +622,6 @@ class VanillaTransformerAttention(nn.Module):
         key_value_states: torch.Tensor | None = None,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         past_key_values: Cache | None = None,
-        flattened_attention: FlattenedAttention | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         # (batch, length, heads * head_dim) -> (batch, heads, length, head_dim)
@@ -652,13 +654,11 @@ class VanillaTransformerAttention(nn.Module):
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
         )
-        if flattened_attention is not None:  # per sequence: a variable-length kernel, or the fallback under its mask
-            attention_interface = flattened_attention.function(attention_interface)
-            attention_mask = flattened_attention.mask
-        if torch.is_grad_enabled() and query.device.type == "cpu" and query.dtype in (torch.bfloat16, torch.float16):
-            attention_interface = cpu_half_precision_attention(
-                self.config, attention_interface, query, key, attention_mask
-            )
+        if kwargs.get("cu_seq_lens_q") is not None:  # a flattened batch that a variable-length kernel runs
+            if not self.is_cross_attention:  # self-attention: the keys are the queries' own sequences
+                kwargs = {**kwargs, "cu_seq_lens_k": kwargs["cu_seq_lens_q"], "max_length_k": kwargs["max_length_q"]}
+            if self.config._attn_implementation not in VARLEN_IMPLEMENTATIONS:  # transformers' flash reads them
+                attention_interface = varlen_attention
         attn_output, attn_weights = attention_interface(
             self,
             query,
@@ -671,16 +671,6 @@ class VanillaTransformerAttention(nn.Module):
         )
         attn_output = attn_output.reshape(*attn_output.shape[:2], -1).contiguous()
         return self.out_proj(attn_output), attn_weights
-
-
-def cpu_half_precision_attention(config, attention_interface: Callable, query, key, attention_mask) -> Callable:
-    """Training in bfloat16/float16 on a CPU at sequences up to `SHORT_SEQUENCE_ON_CPU`, SDPA restricted to its math
-    kernel: PyTorch's flash kernel, its choice there, is up to 2.9x slower (docs/benchmarks.md, "Figures quoted in the
-    package's docstrings"). The lengths are those the kernel sees: the mask's (a flattened batch's grid or rows)."""
-    lengths = (query.shape[2], key.shape[2]) if attention_mask is None else attention_mask.shape[-2:]
-    if config._attn_implementation == "sdpa" and max(lengths) <= SHORT_SEQUENCE_ON_CPU:
-        return partial(under_math_sdpa, attention_interface)
-    return attention_interface
 
 
 def build_mlp(config: VanillaTransformerConfig, stack: StackName, layer_idx: int) -> nn.Module:
@@ -724,37 +714,23 @@ class VanillaTransformerLayer(nn.Module):
         encoder_hidden_states: torch.Tensor | None = None,
         encoder_attention_mask: torch.Tensor | None = None,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        flattened_attention: FlattenedAttention | None = None,
-        flattened_cross_attention: FlattenedAttention | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> torch.Tensor:
-        """`kwargs` reach both attentions: the decoder's cache (`past_key_values`) and transformers' attention
-        options. Each connection places the norms around its sub-layer (`SublayerConnection`); its `forward` is called
-        as a method, which saves the two Python calls of a module call per sub-layer at every decoding step. Nothing
-        hooks a connection (transformers, FSDP and accelerate hook the layers, the attentions and the norms, which
-        are called as modules)."""
+        """`kwargs` reach both attentions: the decoder's cache (`past_key_values`), a flattened batch's offsets and
+        transformers' attention options. Each connection places the norms around its sub-layer
+        (`SublayerConnection`)."""
         # Self-attention (§3.2.3): over the whole source in the encoder; in the decoder `attention_mask` is causal,
         # position i sees positions <= i only.
-        hidden_states = self.self_attn_connection.forward(
-            hidden_states,
-            self.self_attn,
-            attention_mask,
-            position_embeddings=position_embeddings,
-            flattened_attention=flattened_attention,
-            **kwargs,
+        hidden_states = self.self_attn_connection(
+            hidden_states, self.self_attn, attention_mask, position_embeddings=position_embeddings, **kwargs
         )
         # Encoder-decoder attention: queries from the decoder, keys and values from the encoder output (§3.2.3).
         if encoder_hidden_states is not None:
-            hidden_states = self.encoder_attn_connection.forward(
-                hidden_states,
-                self.encoder_attn,
-                encoder_attention_mask,
-                key_value_states=encoder_hidden_states,
-                flattened_attention=flattened_cross_attention,
-                **kwargs,
+            hidden_states = self.encoder_attn_connection(
+                hidden_states, self.encoder_attn, encoder_attention_mask, key_value_states=encoder_hidden_states, **kwargs
             )
         # Position-wise feed-forward network, or Mixture of Experts (§3.3).
-        return self.mlp_connection.forward(hidden_states, self.mlp)
+        return self.mlp_connection(hidden_states, self.mlp)
 
 
 class VanillaTransformerEncoderLayer(VanillaTransformerLayer, GradientCheckpointingLayer):
@@ -836,13 +812,12 @@ class VanillaTransformerStack(VanillaTransformerPreTrainedModel):
         input_ids: torch.LongTensor | None,
         inputs_embeds: torch.Tensor | None,
         position_ids: torch.LongTensor | None,
-        flattened_attention: FlattenedAttention | None,
-        first_layer: int,
+        offsets: dict | None,
         past_length: int | torch.Tensor = 0,
     ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
         """(token embeddings, the layers' input, the RoPE table or None). Positions continue after the cache, or,
-        in a flattened batch, restart at each sequence (the collator's position ids, below its longest sequence).
-        `first_layer`: the first layer this rank runs (`first_layer_run`)."""
+        in a flattened batch (its `offsets`), restart at each sequence (the collator's position ids, below its
+        longest sequence)."""
         if inputs_embeds is None:
             try:  # the lookup checks the ids itself, at no cost (on an accelerator its kernel asserts on the device)
                 inputs_embeds = self.embed_tokens(input_ids)
@@ -852,14 +827,34 @@ class VanillaTransformerStack(VanillaTransformerPreTrainedModel):
                 vocab_size = self.config.vocab_size
                 raise ValueError(f"{name} holds an id outside the vocabulary [0, {vocab_size=}): {error}") from None
         positions_below = None
-        if flattened_attention is not None:  # a flattened batch: positions restart at each sequence, below its longest
-            sequences = flattened_attention.queries
-            positions_below = sequences.max_length
-            position_ids = sequences.positions(inputs_embeds.shape[:2]) if position_ids is None else position_ids
+        if offsets is not None:
+            positions_below = offsets["max_length_q"]
+            if position_ids is None:
+                position_ids = positions_in_sequences(offsets["cu_seq_lens_q"], inputs_embeds.shape[:2])
         hidden_states, rotary = self.embed_positions(inputs_embeds, position_ids, past_length, positions_below)
-        if first_layer > 0:  # a later pipeline rank: `inputs_embeds` is the previous rank's output
+        if self.first_layer_run > 0:  # a later pipeline rank: `inputs_embeds` is the previous rank's output
             return inputs_embeds, inputs_embeds, rotary
-        return inputs_embeds, self.dropout(hidden_states) if self.training else hidden_states, rotary
+        return inputs_embeds, self.dropout(hidden_states), rotary
+
+    def flattened_attention(
+        self, kwargs: dict, shape: tuple[int, int], source_shape: tuple[int, int] | None = None
+    ) -> tuple[dict, dict, torch.Tensor | None, torch.Tensor | None]:
+        """How attention runs over the flattened batch of `kwargs` (packing_vanilla_transformer), decided once per
+        forward: (its offsets, the layers' keyword arguments, the self-attention mask, the cross-attention mask).
+        Where a variable-length kernel runs, the offsets stay in the keyword arguments for it and there is no mask;
+        elsewhere each kind of attention gets a block mask. The stack's own sequences are the "q" side; a decoder's
+        cross-attention reads the source's, the "k" side, laid out in `source_shape`."""
+        offsets, layer_kwargs = split_offsets(kwargs)
+        weight = next(self.parameters())  # the image encoder has no token embedding
+        kernel, dtype = flattened_attention_kernel(self.config, weight, self.training)
+        if kernel is not None:
+            return offsets, {**layer_kwargs, **offsets}, None, None
+        queries = sequence_index(offsets["cu_seq_lens_q"], shape)
+        self_attention_mask = block_attention_mask(queries, queries, isinstance(self, VanillaTransformerDecoder), dtype)
+        if source_shape is None:
+            return offsets, layer_kwargs, self_attention_mask, None
+        keys = sequence_index(offsets["cu_seq_lens_k"], source_shape)
+        return offsets, layer_kwargs, self_attention_mask, block_attention_mask(queries, keys, False, dtype)
 
     def run_layers(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         """The N identical layers (§3.1), then the final norm of the pre-norm placements (on the last rank of a
@@ -870,23 +865,14 @@ class VanillaTransformerStack(VanillaTransformerPreTrainedModel):
             hidden_states = self.layer_norm(hidden_states)
         return hidden_states
 
-    def flattened_self_attention(self, kwargs: dict, shape: tuple[int, int]) -> FlattenedAttention | None:
-        """The self-attention of a flattened batch given to this stack run alone (its offsets taken out of `kwargs`),
-        or None for a padded one."""
-        if not is_flattened(kwargs):
-            return None
-        causal = isinstance(self, VanillaTransformerDecoder)
-        weight = next(self.parameters())  # the image encoder has no token embedding
-        return stack_flattened_attention(self.config, kwargs, weight, self.training, shape, causal)
-
     @property
     def first_layer_run(self) -> int:
         """The index of the first layer this rank runs: 0, but on the later ranks of a pipeline, where transformers'
         engine has replaced the layers of the ranks before by identities and passes their output as `inputs_embeds`."""
-        layers = self.layers._modules.values()  # read at every decoding step: no ModuleList calls
-        if not layers or not isinstance(next(iter(layers)), PipelineIdentityLayer):
-            return 0
-        return next((index for index, layer in enumerate(layers) if not isinstance(layer, PipelineIdentityLayer)), 0)
+        for index, layer in enumerate(self.layers):
+            if not isinstance(layer, PipelineIdentityLayer):
+                return index
+        return 0
 
     @property
     def runs_last_layer(self) -> bool:
@@ -916,46 +902,35 @@ class VanillaTransformerEncoder(VanillaTransformerStack):
         attention_mask: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        flattened_attention: FlattenedAttention | None = None,
-        check_inputs: bool = True,
         **kwargs: Unpack[TransformersKwargs],
     ) -> BaseModelOutput:  # MoeEncoderOutput with experts: the router logits of its MoE layers
         r"""
-        flattened_attention (`FlattenedAttention`, *optional*):
-            How its attention runs over a flattened batch, built by the encoder-decoder for both stacks; built here
-            from `cu_seq_lens_q`/`max_length_q` when the encoder runs alone.
-        check_inputs (`bool`, defaults to `True`):
-            False where the caller (a head, the base model) checked the inputs.
+        A flattened batch gives the offsets of its sequences as `cu_seq_lens_q`/`max_length_q` (transformers'
+        `DataCollatorWithFlattening`; the encoder-decoder passes the source's so).
         """
-        if check_inputs:
-            check_stack_inputs(
-                self.config,
-                input_ids=input_ids,
-                inputs_embeds=inputs_embeds,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                offsets=kwargs,
-            )
-        if flattened_attention is None:
-            shape = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
-            flattened_attention = self.flattened_self_attention(kwargs, shape)
-        inputs_embeds, hidden_states, rotary = self.embed(
-            input_ids, inputs_embeds, position_ids, flattened_attention, self.first_layer_run
+        check_stack_inputs(
+            self.config,
+            input_ids=input_ids,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            offsets=kwargs,
+            first_layer=self.first_layer_run,
+            offsets_side="k" if self.config.is_encoder_decoder else "q",  # an encoder-decoder's source: `source_side`
         )
-        if flattened_attention is None:
+        offsets = None
+        if is_flattened(kwargs):
+            shape = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
+            offsets, kwargs, attention_mask, _ = self.flattened_attention(kwargs, shape)
+        inputs_embeds, hidden_states, rotary = self.embed(input_ids, inputs_embeds, position_ids, offsets)
+        if offsets is None:
             attention_mask = create_bidirectional_mask(
                 config=self.config,
                 inputs_embeds=inputs_embeds,
                 attention_mask=attention_mask,
                 allow_is_bidirectional_skip=attention_mask is None,  # deciding it from the mask's values would sync
             )
-        hidden_states = self.run_layers(
-            hidden_states,
-            attention_mask,
-            position_embeddings=rotary,
-            flattened_attention=flattened_attention,
-            **kwargs,
-        )
+        hidden_states = self.run_layers(hidden_states, attention_mask, position_embeddings=rotary, **kwargs)
         return self.output_class(last_hidden_state=hidden_states)
 
 
@@ -991,46 +966,43 @@ class VanillaTransformerDecoder(VanillaTransformerStack):
         inputs_embeds: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
         use_cache: bool | None = None,
-        flattened_attention: FlattenedAttention | None = None,
-        flattened_cross_attention: FlattenedAttention | None = None,
-        check_inputs: bool = True,
         past_key_values: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> BaseModelOutputWithPastAndCrossAttentions:  # MoeDecoderOutput with experts
         r"""
-        flattened_attention, flattened_cross_attention (`FlattenedAttention`, *optional*):
-            How its self- and cross-attention run over a flattened batch, built by the encoder-decoder for both
-            stacks; built here when the decoder runs alone.
-        check_inputs (`bool`, defaults to `True`):
-            False where the caller (a head, the base model) checked the inputs.
         past_key_values (`Cache`, *optional*):
             The name of `cache` before transformers 5.24.
+
+        A flattened batch gives the offsets of its sequences as `cu_seq_lens_q`/`max_length_q` and, under an
+        encoder, those of the source's as `cu_seq_lens_k`/`max_length_k`.
         """
-        if past_key_values is not None:  # the heads pass `cache`: no call on a decoding step
-            cache = given_cache(cache, past_key_values)
-        if check_inputs:
-            self.check_inputs(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                encoder_hidden_states=encoder_hidden_states,
-                encoder_attention_mask=encoder_attention_mask,
-                cache=cache,
-                inputs_embeds=inputs_embeds,
-                position_ids=position_ids,
-                kwargs=kwargs,
-            )
-        if flattened_attention is None and is_flattened(kwargs):
-            flattened_attention, flattened_cross_attention = self.flattened_attention(
-                kwargs, (input_ids if input_ids is not None else inputs_embeds).shape[:2], encoder_hidden_states
-            )
-        if use_cache and cache is None and flattened_attention is None:  # flattened: a training batch
-            cache = self.new_cache()
+        cache = given_cache(cache, past_key_values)
         first_layer = self.first_layer_run  # whose cache holds the decoded length
-        past_length = cache.get_seq_length(first_layer) if cache is not None else 0
-        inputs_embeds, hidden_states, rotary = self.embed(
-            input_ids, inputs_embeds, position_ids, flattened_attention, first_layer, past_length
+        check_stack_inputs(
+            self.config,
+            input_ids=input_ids,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            offsets=kwargs,
+            prefix="decoder_" if self.config.is_encoder_decoder else "",
+            first_layer=first_layer,
+            encoder_hidden_states=encoder_hidden_states,
+            encoder_attention_mask=encoder_attention_mask,
         )
-        if flattened_attention is None:  # a padded batch: transformers' masks, built where Bart builds them
+        offsets = None
+        if is_flattened(kwargs):  # a training batch: no cache
+            shape = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
+            source_shape = None if encoder_hidden_states is None else encoder_hidden_states.shape[:2]
+            offsets, kwargs, attention_mask, encoder_attention_mask = self.flattened_attention(
+                kwargs, shape, source_shape
+            )
+        elif use_cache and cache is None:
+            cache = self.new_cache()
+        past_length = cache.get_seq_length(first_layer) if cache is not None else 0
+        inputs_embeds, hidden_states, rotary = self.embed(input_ids, inputs_embeds, position_ids, offsets, past_length)
+        if offsets is None:  # a padded batch: transformers' masks, built where Bart builds them
             self_attention_cache = cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
             # Position ids restarting at 0 without a mask mark sequences packed in one row; transformers finds them
             # only without a cache, and a dynamic cache this forward starts empty changes nothing else in the mask.
@@ -1059,58 +1031,9 @@ class VanillaTransformerDecoder(VanillaTransformerStack):
             encoder_attention_mask=encoder_attention_mask,
             position_embeddings=rotary,
             past_key_values=cache,
-            flattened_attention=flattened_attention,
-            flattened_cross_attention=flattened_cross_attention,
             **kwargs,
         )
         return self.output_class(last_hidden_state=hidden_states, **{CACHE_FIELD: cache})
-
-    def check_inputs(
-        self,
-        *,
-        input_ids: torch.Tensor | None,
-        attention_mask: torch.Tensor | None,
-        encoder_hidden_states: torch.Tensor | None,
-        encoder_attention_mask: torch.Tensor | None,
-        cache: Cache | None,
-        inputs_embeds: torch.Tensor | None,
-        position_ids: torch.Tensor | None,
-        kwargs: dict,
-    ) -> None:
-        """The decoder run alone: its inputs, and those of the encoder-decoder it belongs to where it has one."""
-        if encoder_hidden_states is None:
-            check_stack_inputs(
-                self.config,
-                input_ids=input_ids,
-                inputs_embeds=inputs_embeds,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                cache=cache,
-                offsets=kwargs,
-                first_layer=self.first_layer_run,
-            )
-            return
-        check_seq2seq_inputs(
-            self.config,
-            attention_mask=encoder_attention_mask,
-            encoder_hidden_states=encoder_hidden_states,
-            decoder_input_ids=input_ids,
-            decoder_attention_mask=attention_mask,
-            decoder_inputs_embeds=inputs_embeds,
-            cache=cache,
-            kwargs=dict(kwargs, decoder_position_ids=position_ids),
-        )
-
-    def flattened_attention(self, kwargs: dict, shape: tuple[int, int], encoder_hidden_states) -> tuple:
-        """The self- and cross-attention of a flattened batch given to the decoder run alone (see
-        `seq2seq_flattened_attention`)."""
-        if encoder_hidden_states is None:
-            return self.flattened_self_attention(kwargs, shape), None
-        source_shape = encoder_hidden_states.shape[:2]
-        _, self_attention, cross_attention = seq2seq_flattened_attention(
-            self.config, kwargs, self.embed_tokens.weight, self.training, source_shape, shape
-        )
-        return self_attention, cross_attention
 
 
 def base_model_class(config: VanillaTransformerConfig) -> type[VanillaTransformerPreTrainedModel]:
@@ -1192,7 +1115,6 @@ class VanillaTransformerModel(VanillaTransformerPreTrainedModel):
         position_ids: torch.LongTensor | None = None,
         decoder_position_ids: torch.LongTensor | None = None,
         use_cache: bool | None = None,
-        check_inputs: bool = True,
         past_key_values: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> Seq2SeqModelOutput:  # Seq2SeqMoEModelOutput with experts
@@ -1200,33 +1122,17 @@ class VanillaTransformerModel(VanillaTransformerPreTrainedModel):
         decoder_position_ids (`torch.LongTensor` of shape `(batch_size, target_length)`, *optional*):
             The target positions (default: 0, 1, ... after the cache; in a flattened batch, restarting at each
             sequence).
-        check_inputs (`bool`, defaults to `True`):
-            False where the caller (a head) checked the inputs.
         past_key_values (`Cache`, *optional*):
             The name of `cache` before transformers 5.24.
 
         A flattened batch (`DataCollatorForSeq2SeqWithFlattening`) gives the offsets of its target sequences as
-        `cu_seq_lens_q`/`max_length_q` and of its source sequences as `cu_seq_lens_k`/`max_length_k`.
+        `cu_seq_lens_q`/`max_length_q` and of its source sequences as `cu_seq_lens_k`/`max_length_k`. Each stack
+        checks its own inputs; the decoder those it reads from the encoder too.
         """
-        if past_key_values is not None:  # the heads pass `cache`: no call on a decoding step
-            cache = given_cache(cache, past_key_values)
-        if check_inputs:
-            check_seq2seq_inputs(
-                self.config,
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                inputs_embeds=inputs_embeds,
-                encoder_hidden_states=None if encoder_outputs is None else encoder_outputs[0],
-                decoder_input_ids=decoder_input_ids,
-                decoder_attention_mask=decoder_attention_mask,
-                decoder_inputs_embeds=decoder_inputs_embeds,
-                cache=cache,
-                kwargs=dict(kwargs, position_ids=position_ids, decoder_position_ids=decoder_position_ids),
-            )
-        encoder_attention = decoder_attention = cross_attention = None
-        if is_flattened(kwargs):  # each kind of attention over the batch's sequences: built once, for both stacks
-            encoder_attention, decoder_attention, cross_attention = self.flattened_attention(
-                kwargs, input_ids, inputs_embeds, encoder_outputs, decoder_input_ids, decoder_inputs_embeds
+        if decoder_input_ids is None and decoder_inputs_embeds is None:
+            raise ValueError(
+                "VanillaTransformerModel needs the target: pass decoder_input_ids (or decoder_inputs_embeds); a head "
+                "with labels shifts them into it (VanillaTransformerForConditionalGeneration)."
             )
         # Router logits describe the layers that run in this call: those of given encoder outputs (generate passes
         # them at every step, not expanded to the beams) are not returned.
@@ -1238,9 +1144,7 @@ class VanillaTransformerModel(VanillaTransformerPreTrainedModel):
                 attention_mask=attention_mask,
                 inputs_embeds=inputs_embeds,
                 position_ids=position_ids,
-                flattened_attention=encoder_attention,
-                check_inputs=False,
-                **kwargs,
+                **source_side(kwargs),
             )
         elif not isinstance(encoder_outputs, BaseModelOutput):
             encoder_outputs = BaseModelOutput(*encoder_outputs)
@@ -1250,13 +1154,10 @@ class VanillaTransformerModel(VanillaTransformerPreTrainedModel):
             attention_mask=decoder_attention_mask,
             encoder_hidden_states=encoder_outputs.last_hidden_state,
             encoder_attention_mask=attention_mask,
-            cache=cache,
+            cache=given_cache(cache, past_key_values),
             inputs_embeds=decoder_inputs_embeds,
             position_ids=decoder_position_ids,
             use_cache=use_cache,
-            flattened_attention=decoder_attention,
-            flattened_cross_attention=cross_attention,
-            check_inputs=False,
             **kwargs,
         )
         outputs = dict(
@@ -1269,7 +1170,7 @@ class VanillaTransformerModel(VanillaTransformerPreTrainedModel):
             encoder_hidden_states=encoder_outputs.hidden_states,
             encoder_attentions=encoder_outputs.attentions,
         )
-        if not isinstance(decoder_outputs, MoeDecoderOutput):  # no experts (a config read costs two Python calls)
+        if not self.config.num_experts:
             return Seq2SeqModelOutput(**outputs)
         return Seq2SeqMoEModelOutput(
             **outputs,
@@ -1277,16 +1178,13 @@ class VanillaTransformerModel(VanillaTransformerPreTrainedModel):
             decoder_router_logits=decoder_outputs.router_logits,
         )
 
-    def flattened_attention(
-        self, kwargs, input_ids, inputs_embeds, encoder_outputs, decoder_input_ids, decoder_inputs_embeds
-    ) -> tuple[FlattenedAttention, FlattenedAttention, FlattenedAttention]:
-        """The encoder self-, decoder self- and cross-attention of a flattened batch (`seq2seq_flattened_attention`)."""
-        source = input_ids if input_ids is not None else inputs_embeds
-        source = encoder_outputs[0] if encoder_outputs is not None else source
-        target = decoder_input_ids if decoder_input_ids is not None else decoder_inputs_embeds
-        return seq2seq_flattened_attention(
-            self.config, kwargs, self.shared.weight, self.training, source.shape[:2], target.shape[:2]
-        )
+
+def source_side(kwargs: dict) -> dict:
+    """The encoder's keyword arguments: in a flattened batch its sequences, the "q" side of a stack, are the source's,
+    which an encoder-decoder batch gives as its "k" side (cross-attention's keys)."""
+    if not is_flattened(kwargs):
+        return kwargs
+    return {**kwargs, "cu_seq_lens_q": kwargs.get("cu_seq_lens_k"), "max_length_q": kwargs.get("max_length_k")}
 
 
 # ------------------------------------------------------------------------------------------------------- dropout

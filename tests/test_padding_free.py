@@ -29,7 +29,6 @@ from hf_vanilla_transformer import (
     VanillaTransformerForTokenClassification,
 )
 from hf_vanilla_transformer import packing_vanilla_transformer as packing
-from hf_vanilla_transformer.packing_vanilla_transformer import Sequences
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from aten_op_counts import OpNames, per_sequence_attention, varlen_kernel_stand_in  # noqa: E402
@@ -288,18 +287,17 @@ def attention_case(kind: str, implementation: str = "sdpa", empty_sequence: bool
     return module, query, key, value, queries, keys
 
 
-def layout_of(module, queries, keys, causal: bool, kernel: str | None) -> packing.FlattenedAttention:
-    def sequences(offsets):
-        lengths = offsets[1:] - offsets[:-1]
-        return Sequences.of(offsets, int(lengths.max()), (1, int(offsets[-1])), kernel)
-
-    return packing.FlattenedAttention.of(sequences(queries), sequences(keys), causal, kernel, torch.float32)
-
-
-def packed_attention(module, query, key, value, flattened: packing.FlattenedAttention):
-    """One attention call as the model makes it: the function it runs, under its mask."""
+def packed_attention(module, query, key, value, queries, keys, causal: bool):
+    """One attention call as a stack makes it over a (1, tokens) batch without a variable-length kernel: the config's
+    function under the block mask of the queries' and keys' sequences."""
     interface = ALL_ATTENTION_FUNCTIONS.get_interface(module.config._attn_implementation, eager_attention_forward)
-    return flattened.function(interface)(module, query, key, value, flattened.mask, scaling=0.3)
+    mask = packing.block_attention_mask(
+        packing.sequence_index(queries, (1, query.shape[2])),
+        packing.sequence_index(keys, (1, key.shape[2])),
+        causal,
+        torch.float32,
+    )
+    return interface(module, query, key, value, mask, scaling=0.3)
 
 
 def heads_first(*tensors):
@@ -311,13 +309,12 @@ def heads_first(*tensors):
 @pytest.mark.parametrize("implementation", ["sdpa", "eager"])
 @pytest.mark.parametrize("kind", ["causal self", "bidirectional self", "cross", "grouped kv"])
 def test_packed_attention_equals_attention_per_sequence(kind, implementation, empty_sequence):
-    """The fallback of `packed_attention` (rows gathered into the grid, masked SDPA or eager attention, rows gathered
-    back) against torch's SDPA run on each sequence alone; cross-attention with other query and key sequences; empty
-    sequences (fixed slots) change nothing and leave the gradient finite."""
+    """Attention under the block mask (masked SDPA or eager attention over the whole (1, tokens) batch) against
+    torch's SDPA run on each sequence alone; cross-attention with other query and key sequences; empty sequences
+    (fixed slots) change nothing and leave the gradient finite."""
     module, query, key, value, queries, keys = attention_case(kind, implementation, empty_sequence)
-    layout = layout_of(module, queries, keys, kind == "causal self", kernel=None)
     inputs = [tensor.requires_grad_() for tensor in heads_first(query, key, value)]
-    output, _ = packed_attention(module, *inputs, layout)
+    output, _ = packed_attention(module, *inputs, queries, keys, kind == "causal self")
     expected = per_sequence_attention(query, key, value, queries, keys, 0.3, kind == "causal self")
     torch.testing.assert_close(output[0], expected, rtol=1e-5, atol=1e-6)
     output.sum().backward()
@@ -353,30 +350,50 @@ def flash_attention_reference(query, key, value, attention_mask, query_length, i
 
 
 KERNEL_STAND_INS = {
-    "torch >= 2.12": ("torch", "scale", varlen_attn_reference),
-    "torch 2.9-2.11": ("torch", "is_causal", varlen_attn_reference_2_11),
-    "flash-attn": ("flash_attn", None, flash_attention_reference),
+    "torch >= 2.12": ("sdpa", "scale", varlen_attn_reference),
+    "torch 2.9-2.11": ("sdpa", "is_causal", varlen_attn_reference_2_11),
+    "flash-attn": ("flash_attention_2", None, flash_attention_reference),
 }
 
 
 @pytest.mark.parametrize("kernel", list(KERNEL_STAND_INS))
 @pytest.mark.parametrize("kind", ["causal self", "cross", "grouped kv"])
-def test_packed_attention_calls_each_varlen_kernel_as_documented(kind, kernel):
-    """Each CUDA branch's call (layout, offsets, causal window, scale, grouped heads, output shape), run on the CPU
-    against a stand-in that computes what the kernel's documentation specifies, equals the fallback: torch's
-    `varlen_attn` in both its signatures (2.11's has no scale, window or grouped heads: the queries are rescaled and
-    the K/V heads repeated) and flash-attn's through transformers. The GPU benchmark runs the real kernels."""
-    name, signature, stand_in = KERNEL_STAND_INS[kernel]
-    module, query, key, value, queries, keys = attention_case(kind)
-    inputs = heads_first(query, key, value)
-    expected, _ = packed_attention(module, *inputs, layout_of(module, queries, keys, kind == "causal self", None))
+def test_attention_runs_each_varlen_kernel_from_the_offsets_in_its_kwargs(kind, kernel):
+    """The attention module given a flattened batch's offsets in its keyword arguments, as a stack passes them where
+    a variable-length kernel runs, calls the kernel as its documentation specifies (layout, offsets, causal window,
+    scale, grouped heads; run on the CPU against a stand-in that computes it) and equals the module under the block
+    mask: torch's `varlen_attn` in both its signatures (2.11's has no scale, window or grouped heads) for an "sdpa"
+    model, and flash-attn's through transformers' flash integration. A self-attention reads its own sequences as
+    keys, whatever "k" side the batch gives (a decoder's is the source's). The GPU benchmark runs the real kernels."""
+    implementation, signature, stand_in = KERNEL_STAND_INS[kernel]
+    model = build(VanillaTransformerForConditionalGeneration, num_key_value_heads=2 if kind == "grouped kv" else None)
+    decoder_layer = model.model.decoder.layers[0]
+    module = {"cross": decoder_layer.encoder_attn, "causal self": decoder_layer.self_attn}.get(
+        kind, model.model.encoder.layers[0].self_attn
+    )
+    queries, keys = (torch.tensor(offsets, dtype=torch.int32) for offsets in (QUERY_OFFSETS, CROSS_KEY_OFFSETS))
+    source_offsets = keys  # a self-attention must ignore the batch's "k" side, a decoder's source
+    torch.manual_seed(1)
+    hidden_states = torch.randn(1, int(queries[-1]), module.config.d_model)
+    source = torch.randn(1, int(source_offsets[-1]), module.config.d_model) if kind == "cross" else None
+    key_sequences = keys if kind == "cross" else queries
+    mask = packing.block_attention_mask(
+        packing.sequence_index(queries, hidden_states.shape[:2]),
+        packing.sequence_index(key_sequences, (1, int(key_sequences[-1]))),
+        kind == "causal self",
+        torch.float32,
+    )
+    expected, _ = module.eval()(hidden_states, mask, key_value_states=source)
+    lengths = {name: int((offsets[1:] - offsets[:-1]).max()) for name, offsets in (("q", queries), ("k", keys))}
+    offsets = dict(cu_seq_lens_q=queries, cu_seq_lens_k=keys, max_length_q=lengths["q"], max_length_k=lengths["k"])
     with (
         mock.patch.object(packing, "VARLEN_SIGNATURE", signature),
         mock.patch.object(packing, "varlen_attn", stand_in),
-        mock.patch("transformers.modeling_flash_attention_utils._flash_attention_forward", stand_in),
+        mock.patch("transformers.integrations.flash_attention._flash_attention_forward", stand_in),
     ):
-        output, _ = packed_attention(module, *inputs, layout_of(module, queries, keys, kind == "causal self", name))
-    assert output.shape == (1, int(queries[-1]), 4, 8)
+        module.config = copy.deepcopy(module.config)
+        module.config._attn_implementation = implementation
+        output, _ = module(hidden_states, None, key_value_states=source, **offsets)
     torch.testing.assert_close(output, expected, rtol=1e-5, atol=1e-6)
 
 
@@ -397,40 +414,35 @@ def test_each_varlen_signature_is_recognised():
 
 
 @pytest.mark.parametrize(
-    "device, dtype, dropout, signature, flash_attn, expected",
+    "device, dtype, dropout, signature, expected",
     [
-        ("cpu", torch.bfloat16, 0.0, "scale", True, None),  # no varlen kernel on a CPU
-        ("cuda", torch.float32, 0.0, "scale", True, None),  # the kernels run in half precision
-        ("cuda", torch.bfloat16, 0.0, "is_causal", False, "torch"),  # torch 2.11
-        ("cuda", torch.float16, 0.0, "scale", True, "torch"),  # torch's before flash-attn's
-        ("cuda", torch.bfloat16, 0.1, "scale", False, None),  # attention dropout: torch's kernel has none
-        ("cuda", torch.bfloat16, 0.1, "scale", True, "flash_attn"),  # flash-attn's has
-        ("cuda", torch.bfloat16, 0.0, None, True, "flash_attn"),  # torch without varlen_attn
-        ("cuda", torch.bfloat16, 0.0, None, False, None),
+        ("cpu", torch.bfloat16, 0.0, "scale", None),  # no varlen kernel on a CPU
+        ("cuda", torch.float32, 0.0, "scale", None),  # the kernels run in half precision
+        ("cuda", torch.bfloat16, 0.0, "is_causal", "torch"),  # torch 2.11
+        ("cuda", torch.float16, 0.0, "scale", "torch"),
+        ("cuda", torch.bfloat16, 0.1, "scale", None),  # attention dropout: torch's kernel has none
+        ("cuda", torch.bfloat16, 0.0, None, None),  # torch without varlen_attn
     ],
 )
-def test_the_varlen_kernel_is_chosen_by_device_dtype_and_dropout(
-    device, dtype, dropout, signature, flash_attn, expected
-):
-    with (
-        mock.patch.object(packing, "VARLEN_SIGNATURE", signature),
-        mock.patch.object(packing, "FLASH_ATTN_INSTALLED", flash_attn),
-    ):
+def test_the_varlen_kernel_is_chosen_by_device_dtype_and_dropout(device, dtype, dropout, signature, expected):
+    with mock.patch.object(packing, "VARLEN_SIGNATURE", signature):
         assert packing.varlen_kernel("sdpa", device, dtype, dropout) == expected
         # transformers' flash integration reads the offsets itself, whatever torch offers
         assert packing.varlen_kernel("flash_attention_3", device, dtype, dropout) == "flash_attention_3"
 
 
-def test_sequences_positions_and_grid():
-    """The fallback's grid: each cell's token (past a sequence's end its last token, an empty sequence's the token
-    before), each token's cell, the visible keys (one in an empty sequence)."""
+def test_positions_sequences_and_block_mask():
+    """Each token's position in its sequence and its sequence, and the block mask: a key is visible to the queries of
+    its own sequence (and, causal, at or before them), in one row or in packed rows; empty sequences take no token."""
     offsets = torch.tensor([0, 3, 4, 4, 6], dtype=torch.int32)
-    grid = Sequences.of(offsets, 3, (1, 6), kernel=None)
-    assert grid.positions((1, 6)).tolist() == [[0, 1, 2, 0, 0, 1]]
-    assert grid.reads.view(4, 3).tolist() == [[0, 1, 2], [3, 3, 3], [3, 3, 3], [4, 5, 5]]
-    assert grid.sequence.tolist() == [0, 0, 0, 1, 3, 3] and grid.position.tolist() == [0, 1, 2, 0, 0, 1]
-    assert grid.visible.int().tolist() == [[1, 1, 1], [1, 0, 0], [1, 0, 0], [1, 1, 0]]
-    assert Sequences.of(offsets, 3, (1, 6), kernel="torch").reads is None
+    assert packing.positions_in_sequences(offsets, (1, 6)).tolist() == [[0, 1, 2, 0, 0, 1]]
+    sequences = packing.sequence_index(offsets, (2, 3))
+    assert sequences.tolist() == [[0, 0, 0], [1, 3, 3]]
+    visible = packing.block_attention_mask(sequences, sequences, True, torch.float32)[:, 0] == 0
+    assert visible.int().tolist() == [
+        [[1, 0, 0], [1, 1, 0], [1, 1, 1]],
+        [[1, 0, 0], [0, 1, 0], [0, 1, 1]],
+    ]
 
 
 @pytest.mark.parametrize("model_class", [VanillaTransformerForConditionalGeneration, VanillaTransformerForCausalLM])
@@ -519,14 +531,14 @@ def test_packed_rows_must_hold_whole_sequences_as_many_on_both_sides():
     with pytest.raises(ValueError, match="cu_seq_lens_k must .* none across two of the 2 rows of 12 tokens"):
         model(**across)
     fewer_rows = dict(batch, input_ids=batch["input_ids"][:1], position_ids=batch["position_ids"][:1])
-    with pytest.raises(ValueError, match=r"batch size 2 but the source has 1: .* as many source rows as target rows"):
-        model(**fewer_rows)
+    with pytest.raises(ValueError, match=r"cu_seq_lens_k must rise from 0 to the token count \(12\)"):
+        model(**fewer_rows)  # the encoder, which runs first, finds its offsets past its one row
 
 
-def test_the_fallback_builds_its_indices_once_per_model_forward():
-    """The sequences' grids and masks are built once per model forward, not in every attention call nor per stack: a
-    flattened training step dispatches as many index-building ops (`searchsorted`, one per grid: the source's, which
-    both stacks read, and the target's) with 4 layers as with 1, and one gather per query, key and value."""
+def test_the_block_masks_are_built_once_per_stack_forward():
+    """The masks of a flattened batch are built once per stack forward, not in every attention call: a training step
+    dispatches as many index-building ops (`searchsorted`: the source's sequences for the encoder's mask, the
+    target's and the source's for the decoder's two) and as many masks with 4 layers as with 1."""
 
     def ops(layers: int) -> collections.Counter[str]:
         model = build(VanillaTransformerForConditionalGeneration, encoder_layers=layers, decoder_layers=layers)
@@ -536,6 +548,5 @@ def test_the_fallback_builds_its_indices_once_per_model_forward():
         return counter.names
 
     one, four = ops(1), ops(4)
-    assert one["searchsorted"] == four["searchsorted"] == 2
-    attention_calls = 4 * 3  # per layer: encoder self-, decoder self- and cross-attention
-    assert four["index_select"] == 3 * attention_calls  # query, key, value into the grid
+    assert one["searchsorted"] == four["searchsorted"] == 3
+    assert one["masked_fill_"] == four["masked_fill_"]

@@ -3,12 +3,12 @@
     python benchmarks/aten_op_counts.py                 # prints the table, writes benchmarks/results/aten-op-counts.json
 
 On an accelerator a model this size is bound by kernel launches, and every aten op that is not a view is one. The
-step: 8 sentence pairs of 4-24 tokens, 2+2 layers, d_model 64, 4 heads, dropout 0.1 (the package's CPU dropout
-sampler replaced by torch's, as on a GPU), counted with a `TorchDispatchMode` after a warm-up step. Rows:
+step: 8 sentence pairs of 4-24 tokens, 2+2 layers, d_model 64, 4 heads, dropout 0.1 (torch's `nn.Dropout`, as the
+model runs it unless `optimize_for_cpu_training` is asked for), counted with a `TorchDispatchMode` after a warm-up step. Rows:
   * HF Marian, padded (the same sentences as `DataCollatorForSeq2Seq` pads them);
   * ours, padded;
-  * ours, flattened by `DataCollatorForSeq2SeqWithFlattening`, on the fallback (CPU: no variable-length kernel);
-  * ours, the same sentences packed by it into rows of whole sentences (`row_length`), on the fallback;
+  * ours, flattened by `DataCollatorForSeq2SeqWithFlattening`, under its block masks (CPU: no variable-length kernel);
+  * ours, the same sentences packed by it into rows of whole sentences (`row_length`), under block masks;
   * ours, flattened, where torch's `varlen_attn` runs (a GPU's default): here a stand-in custom op, one op forward
     and one backward as the kernel is, that computes attention per sequence on the CPU.
 tests/test_accelerator_path.py asserts the last row's kernel ops against Marian's.
@@ -31,7 +31,6 @@ from hf_vanilla_transformer import (
     VanillaTransformerConfig,
     VanillaTransformerForConditionalGeneration,
 )
-from hf_vanilla_transformer import modeling_vanilla_transformer as modeling
 from hf_vanilla_transformer import packing_vanilla_transformer as packing
 
 IGNORE_INDEX = -100
@@ -176,13 +175,12 @@ def varlen_kernel_stand_in():
 def main() -> None:
     ours, marian, flattened, packed_rows, padded = op_count_case()
     rows = {}
-    with mock.patch.object(modeling, "cpu_samples_dropout_per_element", lambda: False):
-        rows["HF Marian, padded"] = training_step_op_names(marian, padded)
-        rows["ours, padded"] = training_step_op_names(ours, padded)
-        rows["ours, flattened, fallback"] = training_step_op_names(ours, flattened)
-        rows["ours, packed rows, fallback"] = training_step_op_names(ours, packed_rows)
-        with varlen_kernel_stand_in():
-            rows["ours, flattened, varlen kernel"] = training_step_op_names(ours, flattened)
+    rows["HF Marian, padded"] = training_step_op_names(marian, padded)
+    rows["ours, padded"] = training_step_op_names(ours, padded)
+    rows["ours, flattened, block mask"] = training_step_op_names(ours, flattened)
+    rows["ours, packed rows, block mask"] = training_step_op_names(ours, packed_rows)
+    with varlen_kernel_stand_in():
+        rows["ours, flattened, varlen kernel"] = training_step_op_names(ours, flattened)
     results = {
         name: {"aten_ops": sum(names.values()), "kernel_ops": kernel_count(names)} for name, names in rows.items()
     }

@@ -43,6 +43,7 @@ LAZY_NAMES: dict[str, str] = {
     "convert_vit_to_vanilla_transformer": "convert_vit_vanilla_transformer",
     "export_to_ctranslate2": "ctranslate2_vanilla_transformer",
     "optimize_for_cpu_inference": "cpu_inference_vanilla_transformer",
+    "optimize_for_cpu_training": "cpu_training_vanilla_transformer",
 }
 
 transformers.AutoConfig.register(VanillaTransformerConfig.model_type, VanillaTransformerConfig, exist_ok=True)

@@ -26,7 +26,6 @@ from .inputs_vanilla_transformer import (
     labels_outside,
 )
 from .modeling_vanilla_transformer import (
-    Dropout,
     MoeEncoderOutput,
     VanillaTransformerDecoder,
     VanillaTransformerEncoder,
@@ -132,7 +131,7 @@ class ClassifierHead(SingleStackTaskHead):
 
     def __init__(self, config: VanillaTransformerConfig):
         super().__init__(config)
-        self.dropout = Dropout(self.config.classifier_dropout)
+        self.dropout = nn.Dropout(self.config.classifier_dropout)
         self.classifier = nn.Linear(self.config.d_model, self.config.num_labels)
         self.post_init()
 

@@ -25,7 +25,6 @@ from transformers.utils import TransformersKwargs, can_return_tuple
 from .configuration_vanilla_transformer import VanillaTransformerConfig
 from .inputs_vanilla_transformer import check_sequence_classification_labels, labels_outside
 from .modeling_vanilla_transformer import (
-    Dropout,
     MoeEncoderOutput,
     VanillaTransformerEncoder,
     VanillaTransformerPreTrainedModel,
@@ -187,7 +186,7 @@ class VanillaTransformerForImageClassification(VanillaTransformerImagePreTrained
         config = config.for_single_stack("encoder")
         super().__init__(config)
         self.model = VanillaTransformerImageEncoder(config)
-        self.dropout = Dropout(config.classifier_dropout)
+        self.dropout = nn.Dropout(config.classifier_dropout)
         self.num_experts = config.num_experts  # read at every step: an attribute, as Mixtral's heads keep it
         self.classifier = nn.Linear(config.d_model, config.num_labels)
         self.post_init()

@@ -1,5 +1,5 @@
-"""Checks of the tensors a model is called with, run in one call where a head, the base model or a stack run alone
-receives them (the stacks trust what they are given).
+"""Checks of the tensors a model is called with, run where a stack receives them (each stack checks its own inputs;
+a decoder under an encoder also what it reads from it); a head checks only its labels and calls the model it wraps.
 
 Each check raises a `TypeError` (wrong kind of tensor) or `ValueError` (wrong shape or value) naming the argument,
 what it got and what it expects, before a torch op fails deep inside the model with a message about its internals or,

@@ -167,12 +167,7 @@ class VanillaTransformerForConditionalGeneration(LanguageModelingHead, VanillaTr
             output_router_logits=router is not None and router.compute,
             **kwargs,
         )
-        hidden_states = outputs.last_hidden_state
-        if isinstance(logits_to_keep, int):  # generate's 1 at every step, sliced inline as Llama does: one call less
-            hidden_states = hidden_states[:, -logits_to_keep:]
-        else:
-            hidden_states = slice_logits_to_keep(hidden_states, logits_to_keep)
-        logits = self.lm_head(hidden_states)
+        logits = self.lm_head(slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep))
         model_outputs = {
             CACHE_FIELD: getattr(outputs, CACHE_FIELD),
             "decoder_hidden_states": outputs.decoder_hidden_states,

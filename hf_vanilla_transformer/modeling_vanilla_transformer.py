@@ -3,22 +3,20 @@
 What every forward runs, read top to bottom as in transformers' own modeling files: the embeddings and positions
 (§3.4, §3.5), the norms and their placement around each sub-layer (§3.1), the position-wise FFN and its GLU
 variants (§3.3), the Mixture-of-Experts block that can replace it, multi-head attention (§3.2), the layer, the
-weight init, the two stacks and the encoder-decoder base model; then dropout (§5.4) with its cheaper CPU mask, and
-what the heads share (their losses' item count, the router-loss tail). Section numbers in comments refer to the paper.
+weight init, the two stacks and the encoder-decoder base model; then what the heads share (their losses' item count,
+the router-loss tail). Section numbers in comments refer to the paper.
 
-Beside this file: the checks of the inputs (inputs_vanilla_transformer, run once where a head, the base model or a
-stack run alone receives them), a flattened batch's attention and kernels (packing_vanilla_transformer: how each
-kind of attention runs over its sequences, built once per model forward), the experts' kernels
-(moe_kernels_vanilla_transformer) and the heads. Masks come from `transformers.masking_utils`; the decoder cache is an
-`EncoderDecoderCache`. Nothing here reads a tensor's values on the host: a step runs without waiting for the device.
+Beside this file: the checks of the inputs (inputs_vanilla_transformer, run where each stack receives them), a
+flattened batch's kernels and masks (packing_vanilla_transformer: its offsets travel in the forward's keyword
+arguments, as transformers passes them), the experts' kernels (moe_kernels_vanilla_transformer), the opt-in CPU
+training speed-ups (cpu_training_vanilla_transformer) and the heads. Masks come from `transformers.masking_utils`; the
+decoder cache is an `EncoderDecoderCache`. Nothing here reads a tensor's values on the host: a step runs without
+waiting for the device.
 """
 
-import functools
 import math
-import platform
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -39,7 +37,7 @@ from transformers.modeling_outputs import (
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, eager_attention_forward
 from transformers.processing_utils import Unpack
-from transformers.utils import TransformersKwargs, can_return_tuple, is_torchdynamo_compiling
+from transformers.utils import TransformersKwargs, can_return_tuple
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
@@ -99,9 +97,7 @@ class ScaledWordEmbedding(nn.Embedding):
         self.embed_scale = config.d_model**0.5 if config.scale_embedding else 1.0
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        # `nn.Embedding.forward` without its call (one per decoding step): this embedding has no max_norm, no sparse
-        # gradient.
-        return F.embedding(input_ids, self.weight, self.padding_idx) * self.embed_scale
+        return super().forward(input_ids) * self.embed_scale
 
 
 def sinusoidal_position_encoding(position_ids: torch.Tensor, dim: int, layout: str = "interleaved") -> torch.Tensor:
@@ -146,7 +142,7 @@ class SinusoidalPositionalEmbedding(nn.Module):
     ) -> PositionOutput:
         """`positions_below`: a bound the caller knows `position_ids` keep to (a flattened batch's longest sequence),
         so that they can be looked up in the table."""
-        length, table = inputs_embeds.shape[1], self.table  # a buffer: each read is a Python call
+        length, table = inputs_embeds.shape[1], self.table
         if position_ids is None and isinstance(past_length, int) and past_length + length <= table.shape[0]:
             encoding = table[past_length : past_length + length]
         elif position_ids is not None and positions_below is not None and positions_below <= table.shape[0]:
@@ -302,7 +298,7 @@ class SublayerConnection(nn.Module):
         self.norm_first = norm_first(config)
         self.norm = build_norm(config)
         self.sandwich_norm = build_norm(config) if config.norm_position == "sandwich" else None
-        self.dropout = Dropout(config.dropout)
+        self.dropout = nn.Dropout(config.dropout)
         self.residual_scale = residual_scale
 
     def forward(self, hidden_states: torch.Tensor, sublayer: nn.Module, *args, **kwargs) -> torch.Tensor:
@@ -312,8 +308,7 @@ class SublayerConnection(nn.Module):
         output = output[0] if isinstance(output, tuple) else output
         if self.sandwich_norm is not None:
             output = self.sandwich_norm(output)
-        if self.training:  # dropout is the identity in eval: decoding skips the module call at every step
-            output = self.dropout(output)
+        output = self.dropout(output)
         if self.norm_first:
             return hidden_states + output
         # alpha = 1 (post-LN) would cost a full-size multiply forward and backward for nothing.
@@ -353,11 +348,11 @@ class FeedForward(nn.Module):
         self.fc1 = nn.Linear(config.d_model, ffn_dim, bias=config.use_bias)
         self.fc2 = nn.Linear(ffn_dim, config.d_model, bias=config.use_bias)
         self.act_fn = ffn_activation(config)
-        self.activation_dropout = Dropout(config.activation_dropout)
+        self.activation_dropout = nn.Dropout(config.activation_dropout)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         hidden_states = self.act_fn(self.fc1(hidden_states))
-        return self.fc2(self.activation_dropout(hidden_states) if self.training else hidden_states)
+        return self.fc2(self.activation_dropout(hidden_states))
 
 
 class GatedFeedForward(nn.Module):
@@ -370,11 +365,11 @@ class GatedFeedForward(nn.Module):
         self.up_proj = nn.Linear(config.d_model, hidden, bias=config.use_bias)
         self.down_proj = nn.Linear(hidden, config.d_model, bias=config.use_bias)
         self.act_fn = ffn_activation(config)
-        self.activation_dropout = Dropout(config.activation_dropout)
+        self.activation_dropout = nn.Dropout(config.activation_dropout)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         gated = self.act_fn(self.gate_proj(hidden_states)) * self.up_proj(hidden_states)
-        return self.down_proj(self.activation_dropout(gated) if self.training else gated)
+        return self.down_proj(self.activation_dropout(gated))
 
 
 def build_feed_forward(config: VanillaTransformerConfig, ffn_dim: int) -> nn.Module:
@@ -472,7 +467,7 @@ def capacity_slots(
 
 def expert_activation(config: VanillaTransformerConfig) -> tuple[nn.Module, nn.Module]:
     """An expert's activation and the dropout after it: the dense FFN's (§3.3, or its GLU variant)."""
-    return ffn_activation(config), Dropout(config.activation_dropout)
+    return ffn_activation(config), nn.Dropout(config.activation_dropout)
 
 
 class VanillaTransformerSparseMoeBlock(nn.Module):
@@ -802,7 +797,7 @@ class VanillaTransformerStack(VanillaTransformerPreTrainedModel):
         super().__init__(config)
         self.embed_tokens = ScaledWordEmbedding(config)
         self.embed_positions = build_position_embedding(config, num_heads)
-        self.dropout = Dropout(config.dropout)
+        self.dropout = nn.Dropout(config.dropout)
         self.layers = nn.ModuleList([layer_class(config, i) for i in range(num_layers)])
         self.layer_norm = build_norm(config) if norm_first(config) else None
         self.gradient_checkpointing = False
@@ -1187,65 +1182,6 @@ def source_side(kwargs: dict) -> dict:
     return {**kwargs, "cu_seq_lens_q": kwargs.get("cu_seq_lens_k"), "max_length_q": kwargs.get("max_length_k")}
 
 
-# ------------------------------------------------------------------------------------------------------- dropout
-#
-# Dropout (§5.4), used by every module above, with a cheaper mask on the CPUs where PyTorch samples it one element
-# at a time. PyTorch draws a CPU dropout mask with MKL's vectorised Bernoulli sampler only on Intel CPUs. On every
-# other CPU (AMD, Arm) it takes one Mersenne-Twister draw and one comparison in double precision per element,
-# serially, a noticeable share of a small model's training step. There `Dropout` splits each 64-bit draw of the same
-# generator into two uniform 32-bit integers and keeps an element where its integer clears the threshold: the same
-# Bernoulli(1 - p) mask at 2^-32 resolution, scaled by 1 / (1 - p) as PyTorch scales it, in about half the time
-# (docs/benchmarks.md, "Figures quoted in the package's docstrings"). Everywhere else, and under torch.compile (which
-# generates its own masks), it is `nn.Dropout`. The modules above still skip the call in eval (`if self.training`):
-# decoding would pay three Python calls per dropout per step for the identity.
-
-
-@functools.cache
-def cpu_samples_dropout_per_element() -> bool:
-    """Whether PyTorch's CPU Bernoulli sampler is its element-by-element one: not an MKL build on an Intel CPU."""
-    return not (torch.backends.mkl.is_available() and "GenuineIntel" in cpu_vendor())
-
-
-def cpu_vendor() -> str:
-    """The CPU's vendor string: /proc/cpuinfo on Linux, the processor name elsewhere (Windows includes the vendor)."""
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            return next((line for line in cpuinfo if line.startswith("vendor_id")), "")
-    except OSError:
-        return platform.processor()
-
-
-def keep_mask(shape: torch.Size, dropped_per_2_32: int) -> torch.Tensor:
-    """A bool mask of `shape`, each element False with probability dropped_per_2_32 / 2^32, independently: two
-    uniform 32-bit integers per draw of the CPU generator (every 64 bits of it random), kept where at least the
-    threshold."""
-    count = math.prod(shape)
-    draws = torch.empty((count + 1) // 2, dtype=torch.int64).random_(torch.iinfo(torch.int64).min, None)
-    uniform_int32 = draws.view(torch.int32)[:count].view(shape)
-    return uniform_int32 >= torch.iinfo(torch.int32).min + dropped_per_2_32
-
-
-class Dropout(nn.Dropout):
-    """`nn.Dropout`, drawing its mask with `keep_mask` when training on a CPU that samples dropout per element."""
-
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if not self.training:  # first: decoding calls every dropout of the model at every step
-            return input
-        dropped_per_2_32 = round(self.p * 2**32)
-        if (
-            self.inplace
-            or not 0 < dropped_per_2_32 < 2**32
-            or type(input) is not torch.Tensor  # DTensor and other subclasses keep their own dropout
-            or input.device.type != "cpu"
-            or is_torchdynamo_compiling()
-            or not cpu_samples_dropout_per_element()
-        ):
-            return super().forward(input)
-        # As PyTorch's own CPU dropout: input times a noise tensor of 0 and 1 / (1 - p), kept for the backward.
-        noise = keep_mask(input.shape, dropped_per_2_32).to(input.dtype).div_(1.0 - self.p)
-        return input * noise
-
-
 # ---------------------------------------------------------------------------------------- what the heads share
 
 
@@ -1284,7 +1220,6 @@ def add_router_losses(
 
 
 __all__ = [
-    "Dropout",
     "FeedForward",
     "GatedFeedForward",
     "LearnedPositionalEmbedding",

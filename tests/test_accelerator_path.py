@@ -332,12 +332,7 @@ def training_step_ops(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -
 def test_seq2seq_training_step_dispatches_no_more_ops_than_marian() -> None:
     """A padded seq2seq training step launches no more aten ops than HF `MarianMTModel` of the same architecture and
     dimensions, on the same batch, dropout 0.1 in both. On an accelerator each op is a kernel launch the host must
-    issue, so a model that computes the same function as Marian should not need more of them.
-
-    Our `Dropout` draws its mask in ~10 aten ops instead of torch's 4 on CPUs whose Bernoulli sampler is serial (AMD,
-    Arm: dropout_vanilla_transformer.py), a CPU-only speed-up that never runs on a GPU. Patching
-    `cpu_samples_dropout_per_element` to return False makes our Dropout exactly `nn.Dropout`, as on a GPU, so the
-    count compares the model code and not the CPU's dropout sampler."""
+    issue, so a model that computes the same function as Marian should not need more of them."""
     torch.manual_seed(0)
     config = tiny_config(dropout=0.1, sinusoidal_layout="concatenated")
     ours = VanillaTransformerForConditionalGeneration(config)
@@ -352,8 +347,7 @@ def test_seq2seq_training_step_dispatches_no_more_ops_than_marian() -> None:
         "attention_mask": attention_mask,
         "labels": masked_labels(target_ids, target_mask),
     }
-    with mock.patch.object(modeling, "cpu_samples_dropout_per_element", lambda: False):
-        ours_ops, marian_ops = training_step_ops(ours, inputs).ops, training_step_ops(marian, inputs).ops
+    ours_ops, marian_ops = training_step_ops(ours, inputs).ops, training_step_ops(marian, inputs).ops
     assert ours_ops <= marian_ops, (
         f"a padded seq2seq training step dispatches {ours_ops} aten ops, MarianMTModel of the same dimensions "
         f"{marian_ops}"
@@ -366,8 +360,7 @@ def test_packed_rows_step_without_a_kernel_dispatches_no_more_ops_than_marian() 
     more aten ops, and no more that launch a kernel, than HF Marian's padded step on the same sentences (8 pairs of
     4-24 tokens, 2+2 layers, d_model 64, dropout 0.1), the offsets' checks included."""
     ours, marian, _, rows, padded = op_count_case()
-    with mock.patch.object(modeling, "cpu_samples_dropout_per_element", lambda: False):
-        ours_ops, marian_ops = training_step_op_names(ours, rows), training_step_op_names(marian, padded)
+    ours_ops, marian_ops = training_step_op_names(ours, rows), training_step_op_names(marian, padded)
     assert sum(ours_ops.values()) <= sum(marian_ops.values())
     assert kernel_count(ours_ops) <= kernel_count(marian_ops)
 
@@ -377,7 +370,7 @@ def test_flattened_step_where_the_varlen_kernel_runs_launches_no_more_kernels_th
     one op each way) dispatches no more aten ops that launch a kernel (views left out) than HF Marian's padded step
     on the same sentences: 8 pairs of 4-24 tokens, 2+2 layers, d_model 64, dropout 0.1 (benchmarks/aten_op_counts.py
     prints every count). The offsets' value checks are counted: they run on the device too. And the kernel's branch
-    computes the fallback's loss and gradients."""
+    computes the block mask's loss and gradients."""
     ours, marian, flattened, _, padded = op_count_case()
 
     def step(batch) -> list[torch.Tensor]:  # the loss and the gradients, dropout drawn from one seed
@@ -387,13 +380,12 @@ def test_flattened_step_where_the_varlen_kernel_runs_launches_no_more_kernels_th
         loss.backward()
         return [loss.detach()] + [parameter.grad.clone() for parameter in ours.parameters()]
 
-    with mock.patch.object(modeling, "cpu_samples_dropout_per_element", lambda: False):
-        fallback = step(flattened)
-        with varlen_kernel_stand_in():
-            ours_kernels, marian_kernels = kernel_ops(ours, flattened), kernel_ops(marian, padded)
-            kernel = step(flattened)
+    block_mask = step(flattened)
+    with varlen_kernel_stand_in():
+        ours_kernels, marian_kernels = kernel_ops(ours, flattened), kernel_ops(marian, padded)
+        kernel = step(flattened)
     assert ours_kernels <= marian_kernels, f"ours flattened: {ours_kernels} kernel ops, Marian padded: {marian_kernels}"
-    for computed, expected in zip(kernel, fallback):
+    for computed, expected in zip(kernel, block_mask):
         torch.testing.assert_close(computed, expected, rtol=1e-4, atol=1e-6)
 
 

@@ -15,7 +15,11 @@ from hf_vanilla_transformer import (
     VanillaTransformerForConditionalGeneration,
     VanillaTransformerForMaskedLM,
 )
-from hf_vanilla_transformer.packing_vanilla_transformer import SHORT_SEQUENCE_ON_CPU
+from hf_vanilla_transformer.cpu_training_vanilla_transformer import (
+    CPU_TRAINING_ATTENTION,
+    SHORT_SEQUENCE_ON_CPU,
+    optimize_for_cpu_training,
+)
 
 
 def test_post_norm_layer_is_layernorm_of_sum():
@@ -51,12 +55,20 @@ def flash_kernel_use_in_a_step(model, batch, dtype: torch.dtype, grad: bool) -> 
     return allowed
 
 
-def test_short_sequences_train_with_the_math_attention_kernel_on_cpu_in_bfloat16():
-    """Training in bfloat16 on a CPU, sequences up to SHORT_SEQUENCE_ON_CPU tokens take SDPA's math kernel (the
-    flash kernel's backward is the slower one there); float32, inference and long sequences keep SDPA's choice. The
-    loss and gradients are those of eager attention."""
+def test_short_sequences_train_with_the_math_attention_kernel_on_cpu_in_bfloat16_after_the_opt_in(tmp_path):
+    """After `optimize_for_cpu_training`, training in bfloat16 on a CPU, sequences up to SHORT_SEQUENCE_ON_CPU tokens
+    take SDPA's math kernel (the flash kernel's backward is the slower one there); float32, inference and long
+    sequences keep SDPA's choice. The loss and gradients are those of eager attention. Without the opt-in the model
+    runs transformers' SDPA as it is, and a saved model loads with SDPA."""
     torch.manual_seed(0)
     model = VanillaTransformerForConditionalGeneration(tiny_config(max_position_embeddings=256)).train()
+    short = dict(input_ids=torch.randint(3, 64, (2, 9)), labels=torch.randint(3, 64, (2, 7)))
+    assert flash_kernel_use_in_a_step(model, short, torch.bfloat16, grad=True) == {True}
+    optimize_for_cpu_training(model)
+    assert model.config._attn_implementation == CPU_TRAINING_ATTENTION
+    model.save_pretrained(tmp_path)
+    reloaded = VanillaTransformerForConditionalGeneration.from_pretrained(tmp_path)
+    assert reloaded.config._attn_implementation == "sdpa"
     short = dict(input_ids=torch.randint(3, 64, (2, 9)), labels=torch.randint(3, 64, (2, 7)))
     long = dict(input_ids=torch.randint(3, 64, (2, SHORT_SEQUENCE_ON_CPU + 1)), labels=torch.randint(3, 64, (2, 7)))
     assert flash_kernel_use_in_a_step(model, short, torch.bfloat16, grad=True) == {False}

@@ -280,7 +280,7 @@ def layout_choice(model, device: torch.device | str, half_precision: bool) -> tu
         return "flattened", f"a variable-length attention kernel ({kernel}) runs on {device.type} in {dtype}"
     return "padded", (
         f"no variable-length attention kernel runs on {device.type} in {dtype} with attention dropout {dropout}, "
-        "and the flattened layout's fallback launches more kernels than padded attention"
+        "and attention under the flattened layout's block mask runs over every token of the row"
     )
 
 
@@ -288,9 +288,9 @@ def preferred_layout(model, device: torch.device | str, half_precision: bool) ->
     """The layout of a training run's batches that is not slower than the other one on `device`: "flattened" on the
     CPU (it skips the padding in every position-wise layer, the bulk of the work there) and where a variable-length
     attention kernel runs (`varlen_kernel`, which the model asks too: transformers' flash integration, or CUDA in
-    half precision without attention dropout); "padded" elsewhere (a GPU's step is bound by kernel launches, and the
-    flattened layout's attention fallback launches more) and for models other than this package's. Decided once per
-    run, not per batch."""
+    half precision without attention dropout); "padded" elsewhere (a GPU's step is bound by kernel launches, and
+    attention under the flattened layout's block mask runs over every token of the row) and for models other than
+    this package's. Decided once per run, not per batch."""
     return layout_choice(model, device, half_precision)[0]
 
 

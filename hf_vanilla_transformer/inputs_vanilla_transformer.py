@@ -127,6 +127,11 @@ def check_offsets(cu_seq_lens: Any, max_length: Any, shape: tuple[int, int], sid
     `max_length` at least the longest sequence, and in a (rows, row_length) `shape` of several rows, no sequence
     across two rows. Values are checked without a host sync (`require`)."""
     name, length_name = f"cu_seq_lens_{side}", f"max_length_{side}"
+    if cu_seq_lens is None:
+        raise ValueError(
+            f"A flattened batch needs {name}: an encoder-decoder's gives the source's offsets as cu_seq_lens_k and the "
+            "target's as cu_seq_lens_q, together."
+        )
     if not isinstance(cu_seq_lens, torch.Tensor) or cu_seq_lens.dtype != torch.int32 or cu_seq_lens.dim() != 1:
         tensor = isinstance(cu_seq_lens, torch.Tensor)
         got = f"{cu_seq_lens.dtype} of shape {tuple(cu_seq_lens.shape)}" if tensor else type(cu_seq_lens).__name__
@@ -211,9 +216,19 @@ def check_stack_inputs(
     source_shape = (batch_size, length)
     if encoder_hidden_states is not None:
         source_shape = check_encoder_output(encoder_hidden_states, encoder_attention_mask, config, batch_size, length)
-    if offsets and (offsets.get("cu_seq_lens_q") is not None or offsets.get("cu_seq_lens_k") is not None):
-        cross_attention = encoder_hidden_states is not None
-        check_flattened_offsets(offsets, (batch_size, length), source_shape, cross_attention, offsets_side)
+    queries, keys = (offsets.get(f"cu_seq_lens_{side}") if offsets else None for side in ("q", "k"))
+    if queries is None and keys is None:
+        return
+    # A flattened batch: the stack's own offsets ("q") against its tokens; the "k" side against the source's under
+    # an encoder, else the same sequences (the encoder's, and transformers' collator's, are the same tensor).
+    check_offsets(queries, offsets.get("max_length_q"), (batch_size, length), offsets_side)
+    if encoder_hidden_states is not None or keys is not None and keys is not queries:
+        check_offsets(keys, offsets.get("max_length_k"), source_shape, "k")
+    if encoder_hidden_states is not None and queries.shape[0] != keys.shape[0]:
+        raise ValueError(
+            f"cu_seq_lens_q has {queries.shape[0] - 1} sequences and cu_seq_lens_k {keys.shape[0] - 1}: "
+            "cross-attention pairs each target sequence with one source sequence."
+        )
 
 
 def check_encoder_output(encoder_hidden_states: Any, encoder_attention_mask, config, batch_size: int, length: int):
@@ -230,32 +245,6 @@ def check_encoder_output(encoder_hidden_states: Any, encoder_attention_mask, con
     if encoder_attention_mask is not None:
         check_attention_mask(encoder_attention_mask, batch_size, length, source_length, "attention_mask", False)
     return source_batch, source_length
-
-
-def check_flattened_offsets(
-    offsets: dict, shape: tuple[int, int], source_shape: tuple[int, int], cross_attention: bool, side: str = "q"
-) -> None:
-    """A flattened batch: the stack's own offsets ("q") against its tokens, the "k" side against the source's
-    (equal to "q" for a stack alone); under an encoder both come, and pair each target sequence with one source
-    sequence."""
-    queries, keys = offsets.get("cu_seq_lens_q"), offsets.get("cu_seq_lens_k")
-    if queries is None or keys is None and cross_attention:
-        raise ValueError(
-            "A flattened batch flattens the source and the target: cu_seq_lens_q and cu_seq_lens_k come together."
-            if cross_attention
-            else "A flattened batch gives its offsets as cu_seq_lens_q (and max_length_q)."
-        )
-    check_offsets(queries, offsets.get("max_length_q"), shape, side)
-    if keys is not None and keys is not queries:  # the encoder's or transformers' collator's are the same tensor
-        check_offsets(keys, offsets.get("max_length_k"), source_shape, "k")
-    if not cross_attention:
-        return
-    targets, sources = queries.shape[0] - 1, keys.shape[0] - 1
-    if targets != sources:
-        raise ValueError(
-            f"cu_seq_lens_q has {targets} sequences and cu_seq_lens_k {sources}: cross-attention pairs each target "
-            "sequence with one source sequence."
-        )
 
 
 def check_token_labels(labels: Any, inputs: torch.Tensor | None, name: str, skip_logits: bool = False) -> None:
@@ -318,7 +307,6 @@ __all__ = [
     "check_inputs_embeds",
     "check_offsets",
     "check_encoder_output",
-    "check_flattened_offsets",
     "check_sequence_classification_labels",
     "SKIP_LOGITS_WITHOUT_LABELS",
     "check_stack_inputs",

@@ -42,16 +42,14 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_vanilla_transformer import GATED_FFN_TYPES, StackName, VanillaTransformerConfig
-from .inputs_vanilla_transformer import IGNORE_INDEX, check_stack_inputs, require
+from .inputs_vanilla_transformer import FLATTENED_KEYWORDS, IGNORE_INDEX, check_stack_inputs, require
 from .moe_kernels_vanilla_transformer import VanillaTransformerExperts
 from .packing_vanilla_transformer import (
     VARLEN_IMPLEMENTATIONS,
-    block_attention_mask,
-    flattened_attention_kernel,
+    block_attention_masks,
     positions_in_sequences,
-    sequence_index,
-    split_offsets,
     varlen_attention,
+    varlen_kernel,
 )
 from .pretrained_vanilla_transformer import LoadSaveShardMixin
 from .router_losses_vanilla_transformer import RouterLosses, RouterRequest, with_router_gradient, with_router_value
@@ -839,17 +837,21 @@ class VanillaTransformerStack(VanillaTransformerPreTrainedModel):
         Where a variable-length kernel runs, the offsets stay in the keyword arguments for it and there is no mask;
         elsewhere each kind of attention gets a block mask. The stack's own sequences are the "q" side; a decoder's
         cross-attention reads the source's, the "k" side, laid out in `source_shape`."""
-        offsets, layer_kwargs = split_offsets(kwargs)
-        weight = next(self.parameters())  # the image encoder has no token embedding
-        kernel, dtype = flattened_attention_kernel(self.config, weight, self.training)
-        if kernel is not None:
+        offsets = {name: kwargs[name] for name in FLATTENED_KEYWORDS if kwargs.get(name) is not None}
+        for name in ("max_length_q", "max_length_k"):  # a collator's 0-dim CPU tensor: read here (no sync)
+            if isinstance(offsets.get(name), torch.Tensor):
+                offsets[name] = int(offsets[name])
+        layer_kwargs = {name: value for name, value in kwargs.items() if name not in FLATTENED_KEYWORDS}
+        # Attention runs on the weights' device, in autocast's dtype where it is on (the Trainer's bf16 keeps float32
+        # weights), else in the weights'. The image encoder has no token embedding: any weight will do.
+        weight = next(self.parameters())
+        device_type = weight.device.type
+        dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
+        dropout = self.config.attention_dropout if self.training else 0.0
+        if varlen_kernel(self.config._attn_implementation, weight.device, dtype, dropout) is not None:
             return offsets, {**layer_kwargs, **offsets}, None, None
-        queries = sequence_index(offsets["cu_seq_lens_q"], shape)
-        self_attention_mask = block_attention_mask(queries, queries, isinstance(self, VanillaTransformerDecoder), dtype)
-        if source_shape is None:
-            return offsets, layer_kwargs, self_attention_mask, None
-        keys = sequence_index(offsets["cu_seq_lens_k"], source_shape)
-        return offsets, layer_kwargs, self_attention_mask, block_attention_mask(queries, keys, False, dtype)
+        causal = isinstance(self, VanillaTransformerDecoder)
+        return offsets, layer_kwargs, *block_attention_masks(offsets, shape, source_shape, causal, dtype)
 
     def run_layers(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         """The N identical layers (§3.1), then the final norm of the pre-norm placements (on the last rank of a

@@ -13,11 +13,11 @@ CPU, once per batch, by a collator, and travel as transformers passes them, in t
   `cu_seq_lens_k`/`max_length_k`, the target with `cu_seq_lens_q`/`max_length_q`, as cross-attention reads them
   (queries from the target, keys from the source).
 
-Each stack decides once per forward how its attention runs over them (`flattened_attention_kernel`): where a
+Each stack decides once per forward how its attention runs over them (`varlen_kernel`): where a
 variable-length kernel runs, the offsets go on in the keyword arguments to the attention function, which is
 transformers' flash integration (`attn_implementation="flash_attention_2"` and later) or torch's `varlen_attn`
 (`varlen_attention`, for an "sdpa" model on CUDA in half precision); elsewhere the stack builds one block mask per
-kind of attention (`block_attention_mask`: a key is visible to the queries of its own sequence), and the config's
+kind of attention (`block_attention_masks`: a key is visible to the queries of its own sequence), and the config's
 attention function runs under it as over a padded batch's rows.
 """
 
@@ -25,7 +25,7 @@ import inspect
 
 import torch
 
-from .inputs_vanilla_transformer import FLATTENED_KEYWORDS, IGNORE_INDEX
+from .inputs_vanilla_transformer import IGNORE_INDEX
 
 try:  # torch >= 2.9; CUDA only
     from torch.nn.attention.varlen import varlen_attn
@@ -63,33 +63,6 @@ def varlen_kernel(
     return "torch" if on_cuda_in_half and VARLEN_SIGNATURE is not None and not dropout else None
 
 
-def flattened_attention_kernel(config, weight: torch.Tensor, training: bool) -> tuple[str | None, torch.dtype]:
-    """(`varlen_kernel` for this forward, the dtype attention runs in). `weight`: one of the model's, on the device
-    attention runs on; autocast's dtype where it is on (the Trainer's bf16 keeps float32 weights), else the
-    weights'."""
-    device = weight.device
-    dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else weight.dtype
-    dropout = config.attention_dropout if training else 0.0
-    return varlen_kernel(config._attn_implementation, device, dtype, dropout), dtype
-
-
-def split_offsets(kwargs: dict) -> tuple[dict, dict]:
-    """(the offsets of a flattened batch, the other keyword arguments), out of a forward's `kwargs`. A collator's
-    `max_length_*` may be a 0-dim CPU tensor: read here as an int (no sync); a symbolic int under torch.compile is
-    kept as it is (int() would specialise it)."""
-    offsets = {name: kwargs[name] for name in FLATTENED_KEYWORDS if kwargs.get(name) is not None}
-    for name in ("max_length_q", "max_length_k"):
-        if isinstance(offsets.get(name), torch.Tensor):
-            offsets[name] = int(offsets[name])
-    return offsets, {name: value for name, value in kwargs.items() if name not in FLATTENED_KEYWORDS}
-
-
-def sequence_index(cu_seq_lens: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
-    """`shape` (rows, row_length): the sequence each token belongs to, from the offsets over all the tokens."""
-    tokens = torch.arange(shape[0] * shape[1], dtype=cu_seq_lens.dtype, device=cu_seq_lens.device)
-    return torch.searchsorted(cu_seq_lens[1:], tokens, right=True).view(shape)
-
-
 def positions_in_sequences(cu_seq_lens: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
     """`shape`: each token's position in its own sequence, 0 at each start (where the batch gives no position ids)."""
     tokens = torch.arange(shape[0] * shape[1], device=cu_seq_lens.device)
@@ -97,18 +70,33 @@ def positions_in_sequences(cu_seq_lens: torch.Tensor, shape: tuple[int, int]) ->
     return (tokens - starts[torch.searchsorted(starts[1:], tokens, right=True)]).view(shape)
 
 
-def block_attention_mask(
-    query_sequences: torch.Tensor, key_sequences: torch.Tensor, causal: bool, dtype: torch.dtype
-) -> torch.Tensor:
-    """The additive (rows, 1, query_length, key_length) mask of a flattened batch's attention: a key is visible to
-    the queries of its own sequence (`sequence_index` of each side) and, for causal attention, at or before the query
-    (§3.2.3; a row holds whole sequences in order, so the row's order is each sequence's). Additive, as eager
+def block_attention_masks(
+    offsets: dict, shape: tuple[int, int], source_shape: tuple[int, int] | None, causal: bool, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A stack's attention masks over a flattened batch where no variable-length kernel runs, built once per forward:
+    (self-attention's, cross-attention's or None). Each is additive, (rows, 1, query_length, key_length): a key is
+    visible to the queries of its own sequence and, in causal self-attention, at or before them (§3.2.3; a row holds
+    whole sequences in order, so the row's order is each sequence's). The stack's own sequences are the "q" side,
+    laid out in `shape`; with a `source_shape`, cross-attention reads the source's, the "k" side. Additive, as eager
     attention adds it and as SDPA would convert a boolean one at every call."""
-    visible = query_sequences[:, :, None] == key_sequences[:, None, :]
+    layouts = {"q": shape} if source_shape is None else {"q": shape, "k": source_shape}
+    sequence_of_token = {  # each token's sequence, from the offsets over all the tokens of its side
+        side: torch.searchsorted(
+            offsets[f"cu_seq_lens_{side}"][1:],
+            torch.arange(rows * length, dtype=torch.int32, device=offsets[f"cu_seq_lens_{side}"].device),
+            right=True,
+        ).view(rows, length)
+        for side, (rows, length) in layouts.items()
+    }
+    queries = sequence_of_token["q"]
+    visible = {side: queries[:, :, None] == keys[:, None, :] for side, keys in sequence_of_token.items()}
     if causal:
-        visible = visible.tril()
-    mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
-    return mask.masked_fill_(~visible, torch.finfo(dtype).min)[:, None]
+        visible["q"] = visible["q"].tril()
+    masks = {
+        side: torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill_(~seen, torch.finfo(dtype).min)
+        for side, seen in visible.items()
+    }
+    return masks["q"][:, None], masks["k"][:, None] if "k" in masks else None
 
 
 def varlen_attention(
@@ -153,12 +141,9 @@ def shift_packed_labels(
 
 __all__ = [
     "VARLEN_IMPLEMENTATIONS",
-    "block_attention_mask",
-    "flattened_attention_kernel",
+    "block_attention_masks",
     "positions_in_sequences",
-    "sequence_index",
     "shift_packed_labels",
-    "split_offsets",
     "varlen_attention",
     "varlen_kernel",
 ]

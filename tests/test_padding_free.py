@@ -291,12 +291,10 @@ def packed_attention(module, query, key, value, queries, keys, causal: bool):
     """One attention call as a stack makes it over a (1, tokens) batch without a variable-length kernel: the config's
     function under the block mask of the queries' and keys' sequences."""
     interface = ALL_ATTENTION_FUNCTIONS.get_interface(module.config._attn_implementation, eager_attention_forward)
-    mask = packing.block_attention_mask(
-        packing.sequence_index(queries, (1, query.shape[2])),
-        packing.sequence_index(keys, (1, key.shape[2])),
-        causal,
-        torch.float32,
-    )
+    offsets = dict(cu_seq_lens_q=queries, cu_seq_lens_k=keys)
+    layouts = (1, query.shape[2]), (1, key.shape[2])
+    self_mask, cross_mask = packing.block_attention_masks(offsets, *layouts, causal, torch.float32)
+    mask = cross_mask if module.is_cross_attention else self_mask
     return interface(module, query, key, value, mask, scaling=0.3)
 
 
@@ -376,13 +374,14 @@ def test_attention_runs_each_varlen_kernel_from_the_offsets_in_its_kwargs(kind, 
     torch.manual_seed(1)
     hidden_states = torch.randn(1, int(queries[-1]), module.config.d_model)
     source = torch.randn(1, int(source_offsets[-1]), module.config.d_model) if kind == "cross" else None
-    key_sequences = keys if kind == "cross" else queries
-    mask = packing.block_attention_mask(
-        packing.sequence_index(queries, hidden_states.shape[:2]),
-        packing.sequence_index(key_sequences, (1, int(key_sequences[-1]))),
+    self_mask, cross_mask = packing.block_attention_masks(
+        dict(cu_seq_lens_q=queries, cu_seq_lens_k=source_offsets),
+        hidden_states.shape[:2],
+        (1, int(source_offsets[-1])),
         kind == "causal self",
         torch.float32,
     )
+    mask = cross_mask if kind == "cross" else self_mask
     expected, _ = module.eval()(hidden_states, mask, key_value_states=source)
     lengths = {name: int((offsets[1:] - offsets[:-1]).max()) for name, offsets in (("q", queries), ("k", keys))}
     offsets = dict(cu_seq_lens_q=queries, cu_seq_lens_k=keys, max_length_q=lengths["q"], max_length_k=lengths["k"])
@@ -436,13 +435,19 @@ def test_positions_sequences_and_block_mask():
     its own sequence (and, causal, at or before them), in one row or in packed rows; empty sequences take no token."""
     offsets = torch.tensor([0, 3, 4, 4, 6], dtype=torch.int32)
     assert packing.positions_in_sequences(offsets, (1, 6)).tolist() == [[0, 1, 2, 0, 0, 1]]
-    sequences = packing.sequence_index(offsets, (2, 3))
-    assert sequences.tolist() == [[0, 0, 0], [1, 3, 3]]
-    visible = packing.block_attention_mask(sequences, sequences, True, torch.float32)[:, 0] == 0
-    assert visible.int().tolist() == [
+    sources = torch.tensor([0, 2, 3, 5, 6], dtype=torch.int32)  # one row of 6 tokens: 2, 1, 2, 1 per sequence
+    self_mask, cross_mask = packing.block_attention_masks(
+        dict(cu_seq_lens_q=offsets, cu_seq_lens_k=sources), (2, 3), (1, 6), True, torch.float32
+    )
+    assert (self_mask[:, 0] == 0).int().tolist() == [  # rows of 3: sequence 0 | sequences 1 and 3
         [[1, 0, 0], [1, 1, 0], [1, 1, 1]],
         [[1, 0, 0], [0, 1, 0], [0, 1, 1]],
     ]
+    assert (cross_mask[:, 0] == 0).int().tolist() == [  # not causal: each query sees its own source sequence
+        [[1, 1, 0, 0, 0, 0]] * 3,
+        [[0, 0, 1, 0, 0, 0], [0, 0, 0, 0, 0, 1], [0, 0, 0, 0, 0, 1]],
+    ]
+    assert self_mask.dtype == torch.float32 and self_mask.max() == 0 and self_mask.min() == torch.finfo(torch.float32).min
 
 
 @pytest.mark.parametrize("model_class", [VanillaTransformerForConditionalGeneration, VanillaTransformerForCausalLM])

@@ -4,7 +4,8 @@ What every forward runs, read top to bottom as in transformers' own modeling fil
 (§3.4, §3.5), the norms and their placement around each sub-layer (§3.1), the position-wise FFN and its GLU
 variants (§3.3), the Mixture-of-Experts block that can replace it, multi-head attention (§3.2), the layer, the
 weight init, the two stacks and the encoder-decoder base model; then dropout (§5.4) with its cheaper CPU mask, and
-what the heads share (their losses' item count, the router-loss tail). Section numbers in comments refer to the paper.
+what the heads share (their losses' item count, the tokens of a padding mask). Section numbers in comments refer to
+the paper.
 
 Beside this file: the checks of the inputs (inputs_vanilla_transformer, run once where a head, the base model or a
 stack run alone receives them), a flattened batch's attention and kernels (packing_vanilla_transformer: how each
@@ -55,7 +56,6 @@ from .packing_vanilla_transformer import (
     under_math_sdpa,
 )
 from .pretrained_vanilla_transformer import LoadSaveShardMixin
-from .router_losses_vanilla_transformer import RouterLosses, RouterRequest, with_router_gradient, with_router_value
 
 # transformers 5.24 renamed the decoder cache from `past_key_values` to `cache`: `generate` passes it under the new name
 # and the output classes hold it as `cache` (their constructors take the old name with a warning). The models take it
@@ -1451,22 +1451,6 @@ def with_item_count(kwargs: dict, labels: torch.Tensor) -> dict:
     return {**kwargs, "num_items_in_batch": (labels != IGNORE_INDEX).sum().clamp(min=1)}
 
 
-def add_router_losses(
-    config: VanillaTransformerConfig,
-    router: RouterRequest,
-    logits: torch.Tensor,
-    loss_of: Callable[[torch.Tensor], torch.Tensor | None],
-    **stacks: tuple,
-) -> tuple[torch.Tensor, torch.Tensor | None, RouterLosses | None]:
-    """The tail of a head with experts: (logits, loss, router losses). The router losses of `stacks` (name -> (router
-    logits of its MoE layers, its token mask or None)) join the gradient through the logits, so that a loss built
-    from the logits alone (the Trainer's label smoothing) trains the routers too, and the head's loss `loss_of(logits)`
-    as a value only (`attach_router_loss`)."""
-    router_losses = router.losses(config, **stacks)
-    logits = with_router_gradient(logits, router_losses)
-    return logits, with_router_value(loss_of(logits), router_losses), router_losses
-
-
 __all__ = [
     "Dropout",
     "FeedForward",
@@ -1490,7 +1474,6 @@ __all__ = [
     "VanillaTransformerPreTrainedModel",
     "VanillaTransformerRouter",
     "VanillaTransformerSparseMoeBlock",
-    "add_router_losses",
     "build_feed_forward",
     "build_norm",
     "current_tokens",

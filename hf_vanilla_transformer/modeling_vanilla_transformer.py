@@ -866,9 +866,10 @@ class VanillaTransformerPreTrainedModel(LoadSaveShardMixin, PreTrainedModel):
 
     @classmethod
     def _can_set_experts_implementation(cls) -> bool:
-        # transformers reads the module that defines `cls` for "@use_experts_implementation": this one's experts pass
-        # its check unaided. The heads are defined in sibling modules and run these experts, so they take this
-        # module's answer, from the same check (without it their `set_experts_implementation` does nothing).
+        # transformers reads the module that defines `cls` for "@use_experts_implementation": the classes of this
+        # module, beside the experts, pass its check unaided. The heads are defined in sibling modules and run these
+        # experts, so they take this module's answer from the same check; without it a head's
+        # `set_experts_implementation` keeps the old function silently and `from_pretrained` refuses "grouped_mm".
         return PreTrainedModel._can_set_experts_implementation.__func__(VanillaTransformerPreTrainedModel)
 
     @torch.no_grad()

@@ -30,7 +30,6 @@ from .modeling_vanilla_transformer import (
     VanillaTransformerDecoder,
     VanillaTransformerEncoder,
     VanillaTransformerPreTrainedModel,
-    add_router_losses,
     current_tokens,
     with_item_count,
 )
@@ -85,7 +84,7 @@ class SingleStackTaskHead(VanillaTransformerPreTrainedModel):
         input_ids: torch.LongTensor | None,
         attention_mask: torch.Tensor | None,
         inputs_embeds: torch.Tensor | None,
-        router: RouterRequest | None,
+        router: RouterRequest,
         **kwargs: Unpack[TransformersKwargs],
     ) -> MoeEncoderOutput:
         """The stack's outputs, with the router logits of its MoE layers where `router` (the head's request) computes
@@ -106,20 +105,17 @@ class SingleStackTaskHead(VanillaTransformerPreTrainedModel):
             input_ids=input_ids,
             attention_mask=attention_mask,
             inputs_embeds=inputs_embeds,
-            output_router_logits=router is not None and router.compute,
+            output_router_logits=router.compute,
             **kwargs,
         )
 
     def with_router_losses(self, router, logits, loss_of, outputs, attention_mask) -> tuple:
-        """(logits, loss): the head's loss (`loss_of(logits)`), and with experts (`router`) the router losses of the
-        stack's MoE layers, over its tokens, joined to its gradient (`add_router_losses`)."""
-        if router is None:
+        """(logits, loss): the head's loss (`loss_of(logits)`), and with experts the router losses of the stack's MoE
+        layers, over its tokens, joined to its gradient (`RouterRequest.add_losses`)."""
+        if not self.num_experts:
             return logits, loss_of(logits)
-        tokens = current_tokens(attention_mask, outputs.last_hidden_state.shape[1])
         stack = "decoder" if self.config.is_decoder else "encoder"
-        logits, loss, _ = add_router_losses(
-            self.config, router, logits, loss_of, **{stack: (outputs.router_logits, tokens)}
-        )
+        logits, loss, _ = router.add_losses(logits, loss_of, **{stack: (outputs.router_logits, attention_mask)})
         return logits, loss
 
 
@@ -151,7 +147,7 @@ class ClassifierHead(SingleStackTaskHead):
             regression; `config.problem_type` decides, as in transformers' own classifiers). Token classification:
             a class index per token, `(batch_size, length)`, -100 where ignored (padding, continuation word pieces).
         """
-        router = RouterRequest.of(self.config, labels, output_router_logits) if self.num_experts else None
+        router = RouterRequest.of(self.config, labels, output_router_logits)
         outputs = self.run_stack(input_ids, attention_mask, inputs_embeds, router, **kwargs)
         states = self.classified_states(outputs.last_hidden_state, attention_mask, input_ids)
         logits = self.classifier(self.dropout(states))
@@ -260,7 +256,7 @@ class VanillaTransformerForQuestionAnswering(SingleStackTaskHead):
             transformers' QA heads.
         """
         labels = None if start_positions is None or end_positions is None else start_positions
-        router = RouterRequest.of(self.config, labels, output_router_logits) if self.num_experts else None
+        router = RouterRequest.of(self.config, labels, output_router_logits)
         outputs = self.run_stack(input_ids, attention_mask, inputs_embeds, router, **kwargs)
         logits = self.qa_outputs(outputs.last_hidden_state)
         loss_of = partial(self.span_loss, start_positions=start_positions, end_positions=end_positions, **kwargs)

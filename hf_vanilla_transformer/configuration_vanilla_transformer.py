@@ -14,6 +14,8 @@ from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 from transformers.utils.type_validators import interval, positive_int_field
 
+from .moe_kernels_vanilla_transformer import SORTED_GROUPED_MM
+
 StackName = Literal["encoder", "decoder"]
 NormType = Literal["layernorm", "rmsnorm"]
 NormPosition = Literal["post", "pre", "sandwich", "deepnorm"]
@@ -394,6 +396,10 @@ class VanillaTransformerConfig(PreTrainedConfig):
         check_label_arguments(self.id2label, kwargs.get("num_labels"))
         for name in RETIRED_FIELDS:
             kwargs.pop(name, None)
+        # The experts run ours unless another is asked for (here, in `from_pretrained` or `set_experts_implementation`):
+        # it makes the grouped matmuls of transformers' default, "grouped_mm", with fewer passes over the rows around
+        # them, and takes the expert sizes torch's grouped_mm kernel refuses.
+        kwargs.setdefault("experts_implementation", SORTED_GROUPED_MM)
         super().__post_init__(**kwargs)
         # Attention weights need the eager implementation: asking for them picks it unless another was chosen, as
         # transformers' own `output_attentions` setter does (the base class bypasses that setter here).

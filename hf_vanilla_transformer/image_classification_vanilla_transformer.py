@@ -28,7 +28,6 @@ from .modeling_vanilla_transformer import (
     MoeEncoderOutput,
     VanillaTransformerEncoder,
     VanillaTransformerPreTrainedModel,
-    add_router_losses,
 )
 from .router_losses_vanilla_transformer import RouterRequest
 
@@ -221,17 +220,14 @@ class VanillaTransformerForImageClassification(VanillaTransformerImagePreTrained
         check_sequence_classification_labels(
             labels, pixel_values.shape[0], self.config.num_labels, self.config.problem_type
         )
-        router = RouterRequest.of(self.config, labels, output_router_logits) if self.num_experts else None
-        outputs = self.model(
-            pixel_values, output_router_logits=router is not None and router.compute, return_dict=True, **kwargs
-        )
+        router = RouterRequest.of(self.config, labels, output_router_logits)
+        outputs = self.model(pixel_values, output_router_logits=router.compute, return_dict=True, **kwargs)
         logits = self.classifier(self.dropout(self.pooled(outputs.last_hidden_state)))
         loss_of = partial(self.classification_loss, labels=labels, **kwargs)
-        if router is None:
+        if not self.num_experts:
             loss = loss_of(logits)
         else:  # every patch is a token: no padding to leave out of the router losses
-            encoder = (outputs.router_logits, None)
-            logits, loss, _ = add_router_losses(self.config, router, logits, loss_of, encoder=encoder)
+            logits, loss, _ = router.add_losses(logits, loss_of, encoder=(outputs.router_logits, None))
         return ImageClassifierOutput(
             loss=loss,
             logits=logits,

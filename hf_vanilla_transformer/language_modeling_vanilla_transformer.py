@@ -38,8 +38,6 @@ from .modeling_vanilla_transformer import (
     VanillaTransformerEncoder,
     VanillaTransformerModel,
     VanillaTransformerPreTrainedModel,
-    add_router_losses,
-    current_tokens,
     given_cache,
     with_item_count,
 )
@@ -146,13 +144,13 @@ class VanillaTransformerForConditionalGeneration(LanguageModelingHead, VanillaTr
             The name of `cache` before transformers 5.24.
 
         With experts (`num_experts > 0`) the output is a `Seq2SeqMoEOutput` with per-stack balancing and z-losses;
-        their weighted sum is already in the gradient of any loss built from `logits` (see `attach_router_loss`).
+        their weighted sum is already in the gradient of any loss built from `logits` (`RouterRequest.add_losses`).
         """
         target = decoder_input_ids if decoder_input_ids is not None else decoder_inputs_embeds
         check_token_labels(labels, target, "decoder_input_ids", skip_logits)
         if labels is not None and decoder_input_ids is None and decoder_inputs_embeds is None:
             decoder_input_ids = self.prepare_decoder_input_ids_from_labels(labels, kwargs.get("cu_seq_lens_q"))
-        router = RouterRequest.of(self.config, labels, output_router_logits) if self.num_experts else None
+        router = RouterRequest.of(self.config, labels, output_router_logits)
         outputs = self.model(
             input_ids,
             return_dict=True,  # the head reads fields; its own return_dict applies to its output
@@ -164,7 +162,7 @@ class VanillaTransformerForConditionalGeneration(LanguageModelingHead, VanillaTr
             inputs_embeds=inputs_embeds,
             decoder_inputs_embeds=decoder_inputs_embeds,
             use_cache=False if labels is not None or self.training and use_cache is None else use_cache,  # as BART
-            output_router_logits=router is not None and router.compute,
+            output_router_logits=router.compute,
             **kwargs,
         )
         logits = self.lm_head(slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep))
@@ -177,20 +175,16 @@ class VanillaTransformerForConditionalGeneration(LanguageModelingHead, VanillaTr
             "encoder_hidden_states": outputs.encoder_hidden_states,
             "encoder_attentions": outputs.encoder_attentions,
         }
-        if router is None:
+        if not self.num_experts:
             loss = None if labels is None else self.token_loss(logits, labels, **kwargs)
             return Seq2SeqLMOutput(loss=loss, logits=None if skip_logits else logits, **model_outputs)
         # With experts: the router losses of both stacks, counted over their tokens, join the gradient through the
         # logits, so that a loss built from them alone (the Trainer's label smoothing) trains the routers too.
-        source_tokens = current_tokens(attention_mask, outputs.encoder_last_hidden_state.shape[1])
-        target_tokens = current_tokens(decoder_attention_mask, outputs.last_hidden_state.shape[1])
-        logits, loss, router_losses = add_router_losses(
-            self.config,
-            router,
+        logits, loss, router_losses = router.add_losses(
             logits,
             partial(self.token_loss, targets=labels, **kwargs),
-            encoder=(outputs.encoder_router_logits, source_tokens),
-            decoder=(outputs.decoder_router_logits, target_tokens),
+            encoder=(outputs.encoder_router_logits, attention_mask),
+            decoder=(outputs.decoder_router_logits, decoder_attention_mask),
         )
         aux, z = (router_losses.aux, router_losses.z) if router.report else ({}, {})
         return Seq2SeqMoEOutput(
@@ -257,13 +251,13 @@ class VanillaTransformerForCausalLM(LanguageModelingHead, VanillaTransformerGene
             The name of `cache` before transformers 5.24.
 
         With experts the output is a `MoeCausalLMOutput` (Mixtral's, plus `z_loss`); the weighted router losses are
-        already in the gradient of any loss built from `logits` (see `attach_router_loss`).
+        already in the gradient of any loss built from `logits` (`RouterRequest.add_losses`).
         """
         check_token_labels(labels, input_ids if input_ids is not None else inputs_embeds, "input_ids")
         targets = self.next_token_targets(labels, kwargs.get("shift_labels"))
         if skip_logits and targets is None:
             raise ValueError(SKIP_LOGITS_WITHOUT_LABELS)
-        router = RouterRequest.of(self.config, targets, output_router_logits) if self.num_experts else None
+        router = RouterRequest.of(self.config, targets, output_router_logits)
         outputs = self.model(
             return_dict=True,  # the head reads fields; its own return_dict applies to its output
             input_ids=input_ids,
@@ -272,7 +266,7 @@ class VanillaTransformerForCausalLM(LanguageModelingHead, VanillaTransformerGene
             cache=given_cache(cache, past_key_values),
             inputs_embeds=inputs_embeds,
             use_cache=False if targets is not None or self.training and use_cache is None else use_cache,
-            output_router_logits=router is not None and router.compute,
+            output_router_logits=router.compute,
             **kwargs,
         )
         logits = self.lm_head(slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep))
@@ -281,17 +275,12 @@ class VanillaTransformerForCausalLM(LanguageModelingHead, VanillaTransformerGene
             "hidden_states": outputs.hidden_states,
             "attentions": outputs.attentions,
         }
-        if router is None:
+        if not self.num_experts:
             loss = self.token_loss(logits, targets, **kwargs)
             return CausalLMOutputWithPast(loss=loss, logits=None if skip_logits else logits, **model_outputs)
         # With experts: the router losses join the gradient (see VanillaTransformerForConditionalGeneration).
-        tokens = current_tokens(attention_mask, outputs.last_hidden_state.shape[1])
-        logits, loss, router_losses = add_router_losses(
-            self.config,
-            router,
-            logits,
-            partial(self.token_loss, targets=targets, **kwargs),
-            decoder=(outputs.router_logits, tokens),
+        logits, loss, router_losses = router.add_losses(
+            logits, partial(self.token_loss, targets=targets, **kwargs), decoder=(outputs.router_logits, attention_mask)
         )
         return MoeCausalLMOutput(
             loss=loss,
@@ -344,23 +333,21 @@ class VanillaTransformerForMaskedLM(LanguageModelingHead):
             Return the loss without logits (`logits=None`): a training step that reads only the loss. Needs labels.
         """
         check_token_labels(labels, input_ids if input_ids is not None else inputs_embeds, "input_ids", skip_logits)
-        router = RouterRequest.of(self.config, labels, output_router_logits) if self.num_experts else None
+        router = RouterRequest.of(self.config, labels, output_router_logits)
         outputs = self.model(
             return_dict=True,  # the head reads fields; its own return_dict applies to its output
             input_ids=input_ids,
             attention_mask=attention_mask,
             inputs_embeds=inputs_embeds,
-            output_router_logits=router is not None and router.compute,
+            output_router_logits=router.compute,
             **kwargs,
         )
         logits = self.lm_head(slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep))
-        if router is None:
+        if not self.num_experts:
             loss = self.token_loss(logits, labels, **kwargs)
         else:  # the router losses join the gradient (see the seq2seq head); not reported apart
-            tokens = current_tokens(attention_mask, outputs.last_hidden_state.shape[1])
             loss_of = partial(self.token_loss, targets=labels, **kwargs)
-            encoder = (outputs.router_logits, tokens)
-            logits, loss, _ = add_router_losses(self.config, router, logits, loss_of, encoder=encoder)
+            logits, loss, _ = router.add_losses(logits, loss_of, encoder=(outputs.router_logits, attention_mask))
         return MaskedLMOutput(
             loss=loss,
             logits=None if skip_logits else logits,

@@ -4,7 +4,7 @@ What every forward runs, read top to bottom as in transformers' own modeling fil
 (§3.4, §3.5), the norms and their placement around each sub-layer (§3.1), the position-wise FFN and its GLU
 variants (§3.3), the Mixture-of-Experts block that can replace it, multi-head attention (§3.2), the layer, the
 weight init, the two stacks and the encoder-decoder base model; then what the heads share (their losses' item count,
-the router-loss tail). Section numbers in comments refer to the paper.
+the tokens of a padding mask). Section numbers in comments refer to the paper.
 
 Beside this file: the checks of the inputs (inputs_vanilla_transformer, run where each stack receives them), a
 flattened batch's kernels and masks (packing_vanilla_transformer: its offsets travel in the forward's keyword
@@ -25,6 +25,7 @@ from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
 from transformers.distributed.pipeline_parallel import PipelineIdentityLayer
+from transformers.integrations.moe import use_experts_implementation
 from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
@@ -43,7 +44,7 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_vanilla_transformer import GATED_FFN_TYPES, StackName, VanillaTransformerConfig
 from .inputs_vanilla_transformer import FLATTENED_KEYWORDS, IGNORE_INDEX, check_stack_inputs, require
-from .moe_kernels_vanilla_transformer import VanillaTransformerExperts
+from .moe_kernels_vanilla_transformer import EXPERTS_FUNCTIONS, gated_activation, local_expert_ids
 from .packing_vanilla_transformer import (
     VARLEN_IMPLEMENTATIONS,
     block_attention_masks,
@@ -52,7 +53,6 @@ from .packing_vanilla_transformer import (
     varlen_kernel,
 )
 from .pretrained_vanilla_transformer import LoadSaveShardMixin
-from .router_losses_vanilla_transformer import RouterLosses, RouterRequest, with_router_gradient, with_router_value
 
 # transformers 5.24 renamed the decoder cache from `past_key_values` to `cache`: `generate` passes it under the new name
 # and the output classes hold it as `cache` (their constructors take the old name with a warning). The models take it
@@ -379,14 +379,14 @@ def build_feed_forward(config: VanillaTransformerConfig, ffn_dim: int) -> nn.Mod
 #
 # The FFN of §3.3 replaced by E expert FFNs, each token sent to its top-k (Shazeer et al. 2017):
 #   router    p = softmax(x W_r)  in fp32; the top-k experts of each token, weights optionally renormalised
-#   block     y = sum_{e in top-k} p_e FFN_e(x)  (+ shared experts applied to every token, DeepSeekMoE)
 #   experts   the E FFNs as 3D tensors in Mixtral's layout, run by the function `config._experts_implementation`
-#             names: transformers' "eager", "batched_mm", "grouped_mm", ..., or ours, "sorted_grouped_mm" (the
-#             default: the same grouped matmuls, fewer passes over the rows). The experts module lives beside these
-#             kernels, in moe_kernels_vanilla_transformer, where transformers' decorator dispatches it
+#             names (transformers' `@use_experts_implementation` dispatch): transformers' "eager", "batched_mm",
+#             "grouped_mm", ..., or ours, "sorted_grouped_mm" (the default: the same grouped matmuls, fewer passes
+#             over the rows), whose kernels are in moe_kernels_vanilla_transformer
 #   capacity  with factor c, expert e serves at most ceil(c * tokens * k / E) tokens (GShard, Switch Transformer);
 #             the rest skip it, so a token with no expert left keeps only its residual
-# The router losses that train the gate are in router_losses_vanilla_transformer.
+#   block     y = sum_{e in top-k} p_e FFN_e(x)  (+ shared experts applied to every token, DeepSeekMoE)
+# The router losses that train the gate, which the heads add to their loss, are in router_losses_vanilla_transformer.
 
 
 class VanillaTransformerRouter(nn.Module):
@@ -417,6 +417,91 @@ class VanillaTransformerRouter(nn.Module):
             return router_logits, top_k_weights, top_k_index
 
 
+def expert_activation(config: VanillaTransformerConfig) -> tuple[nn.Module, nn.Module]:
+    """An expert's activation and the dropout after it: the dense FFN's (§3.3, or its GLU variant)."""
+    return ffn_activation(config), nn.Dropout(config.activation_dropout)
+
+
+@use_experts_implementation(experts_interface=EXPERTS_FUNCTIONS)
+class VanillaTransformerExperts(nn.Module):
+    """`num_experts` FFNs of `config.ffn_type` (§3.3 or a GLU variant) stored as 3D tensors in Mixtral's layout, so
+    that transformers' experts functions run them: gated types fuse [gate; up] in `gate_up_proj` (E, 2I, H), ungated
+    ones have `up_proj` (E, I, H); `down_proj` is (E, H, I); `*_bias` when `config.use_bias`. `forward` is the eager
+    implementation; the decorator dispatches on `config._experts_implementation`. `activation` and
+    `activation_dropout`: the dense FFN's (`expert_activation`)."""
+
+    def __init__(
+        self,
+        config: VanillaTransformerConfig,
+        num_experts: int,
+        ffn_dim: int,
+        activation: nn.Module,
+        activation_dropout: nn.Module,
+    ):
+        super().__init__()
+        gated = config.ffn_type in GATED_FFN_TYPES
+        hidden = config.gated_hidden_size(ffn_dim) if gated else ffn_dim
+        self.num_experts = num_experts
+        if gated:
+            self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * hidden, config.d_model))
+        else:
+            self.up_proj = nn.Parameter(torch.empty(num_experts, hidden, config.d_model))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, config.d_model, hidden))
+        if config.use_bias:
+            if gated:
+                self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * hidden))
+            else:
+                self.up_proj_bias = nn.Parameter(torch.empty(num_experts, hidden))
+            self.down_proj_bias = nn.Parameter(torch.empty(num_experts, config.d_model))
+        self.activation = activation  # on the gate for gated types
+        self.activation_dropout = activation_dropout
+
+    # What the experts functions read. The decorator assigns one `has_gate` and `has_bias` to every instance of the
+    # class after `__init__`; here they follow the config, so they are read off the parameters and that is ignored.
+    has_gate = property(lambda self: "gate_up_proj" in self._parameters, lambda self, value: None)
+    has_bias = property(lambda self: "down_proj_bias" in self._parameters, lambda self, value: None)
+
+    @property
+    def up_projection_name(self) -> str:
+        return "gate_up_proj" if self.has_gate else "up_proj"
+
+    def act_fn(self, up: torch.Tensor) -> torch.Tensor:
+        """Hidden activation of an ungated expert (the experts functions call it by this name)."""
+        return self.activation_dropout(self.activation(up))
+
+    def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """Hidden activation of a gated expert: act(gate) * up (Shazeer 2020)."""
+        return self.activation_dropout(gated_activation(gate_up, self.activation))
+
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """The eager path, one expert at a time: hidden_states (T, H), top_k_index and top_k_weights (T, k) -> (T, H),
+        each token's sum over its choices of weight * FFN_expert(x).
+
+        It rounds where transformers' batched and grouped functions do, so that in bf16 or fp16 switching the
+        implementation does not change the outputs: the bias is added to the rounded product, and the sum is taken
+        in the dtype of their weighted products (expert weights' times routing weights': the router's fp32) and cast
+        once."""
+        up_name = self.up_projection_name
+        top_k_index = local_expert_ids(self, top_k_index)
+        summed_dtype = torch.promote_types(self.down_proj.dtype, top_k_weights.dtype)
+        output = hidden_states.new_zeros(hidden_states.shape, dtype=summed_dtype)
+        for expert in top_k_index.unique().tolist():
+            token, choice = torch.where(top_k_index == expert)
+            hidden = self._linear(hidden_states[token], up_name, expert)
+            hidden = self._apply_gate(hidden) if self.has_gate else self.act_fn(hidden)
+            weighted = self._linear(hidden, "down_proj", expert) * top_k_weights[token, choice, None]
+            # Under autocast the matmuls here come out in bf16 whatever the weights' dtype (the grouped kernels,
+            # which autocast does not cover, in the weights' dtype), and a bias may promote them.
+            output.index_add_(0, token, weighted.to(output.dtype))
+        return output.to(hidden_states.dtype)
+
+    def _linear(self, inputs: torch.Tensor, projection: str, expert: int) -> torch.Tensor:
+        output = F.linear(inputs, getattr(self, projection)[expert])
+        return output + getattr(self, f"{projection}_bias")[expert] if self.has_bias else output
+
+
 def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
     """Tokens one expert may serve: ceil(c * tokens * k / E) (Switch Transformer eq. 3, times k for top-k)."""
     return math.ceil(capacity_factor * num_tokens * top_k / num_experts)
@@ -434,12 +519,6 @@ def positions_in_experts(top_k_index: torch.Tensor, num_experts: int) -> torch.T
     one_hot = (by_rank[:, None] == torch.arange(num_experts, device=by_rank.device)).long()
     position_in_expert = (one_hot.cumsum(dim=0) * one_hot).sum(dim=-1) - 1
     return position_in_expert.view(top_k, -1).t()
-
-
-def within_capacity(top_k_index: torch.Tensor, num_experts: int, capacity: int) -> torch.Tensor:
-    """Which (token, choice) assignments an expert still has room for: (T, k) bool, in the serving order of
-    `positions_in_experts`."""
-    return positions_in_experts(top_k_index, num_experts) < capacity
 
 
 def capacity_slots(
@@ -461,11 +540,6 @@ def capacity_slots(
     weights = (top_k_weights * keep).reshape(-1)
     slot_weight = weights.new_zeros(slots).scatter(0, slot, weights)[: num_experts * capacity]
     return slot_token, slot_weight, keep
-
-
-def expert_activation(config: VanillaTransformerConfig) -> tuple[nn.Module, nn.Module]:
-    """An expert's activation and the dropout after it: the dense FFN's (§3.3, or its GLU variant)."""
-    return ffn_activation(config), nn.Dropout(config.activation_dropout)
 
 
 class VanillaTransformerSparseMoeBlock(nn.Module):
@@ -757,6 +831,14 @@ class VanillaTransformerPreTrainedModel(LoadSaveShardMixin, PreTrainedModel):
     # Each `forward` is annotated with its dense output class: transformers' tests read the annotation to tell whether
     # a class returns router logits, and one class serves dense and MoE configs. With experts the forward returns the
     # MoE output class named beside the annotation.
+
+    @classmethod
+    def _can_set_experts_implementation(cls) -> bool:
+        # transformers reads the module that defines `cls` for "@use_experts_implementation": the classes of this
+        # module, beside the experts, pass its check unaided. The heads are defined in sibling modules and run these
+        # experts, so they take this module's answer from the same check; without it a head's
+        # `set_experts_implementation` keeps the old function silently and `from_pretrained` refuses "grouped_mm".
+        return PreTrainedModel._can_set_experts_implementation.__func__(VanillaTransformerPreTrainedModel)
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
@@ -1205,22 +1287,6 @@ def with_item_count(kwargs: dict, labels: torch.Tensor) -> dict:
     return {**kwargs, "num_items_in_batch": (labels != IGNORE_INDEX).sum().clamp(min=1)}
 
 
-def add_router_losses(
-    config: VanillaTransformerConfig,
-    router: RouterRequest,
-    logits: torch.Tensor,
-    loss_of: Callable[[torch.Tensor], torch.Tensor | None],
-    **stacks: tuple,
-) -> tuple[torch.Tensor, torch.Tensor | None, RouterLosses | None]:
-    """The tail of a head with experts: (logits, loss, router losses). The router losses of `stacks` (name -> (router
-    logits of its MoE layers, its token mask or None)) join the gradient through the logits, so that a loss built
-    from the logits alone (the Trainer's label smoothing) trains the routers too, and the head's loss `loss_of(logits)`
-    as a value only (`attach_router_loss`)."""
-    router_losses = router.losses(config, **stacks)
-    logits = with_router_gradient(logits, router_losses)
-    return logits, with_router_value(loss_of(logits), router_losses), router_losses
-
-
 __all__ = [
     "FeedForward",
     "GatedFeedForward",
@@ -1243,7 +1309,6 @@ __all__ = [
     "VanillaTransformerPreTrainedModel",
     "VanillaTransformerRouter",
     "VanillaTransformerSparseMoeBlock",
-    "add_router_losses",
     "build_feed_forward",
     "build_norm",
     "current_tokens",
@@ -1253,5 +1318,4 @@ __all__ = [
     "ffn_activation",
     "sinusoidal_position_encoding",
     "with_item_count",
-    "within_capacity",
 ]

@@ -1,12 +1,11 @@
-"""The MoE experts and their kernels, apart from the router and the block that use them (the Mixture of Experts of
-modeling_vanilla_transformer.py); transformers looks the experts up by module (`@use_experts_implementation`).
+"""The kernels of the MoE experts (`VanillaTransformerExperts`, beside the router and the block that call it in the
+Mixture of Experts of modeling_vanilla_transformer.py):
 
-    VanillaTransformerExperts   the E expert FFNs as 3D tensors (Mixtral's layout), dispatching to the functions below
     gated_activation    act(gate) * up whose backward writes its gradient into the fused [gate; up] projection output
     sorted_grouped_mm   our experts function (the default): the (token, expert) rows sorted by expert once, one
                         grouped matmul per projection, registered in transformers' table of experts functions
-    EXPERTS_FUNCTIONS   the table our experts dispatch through: transformers', whose batched_mm first checks that
-                        its per-row weight copies fit (`check_batched_mm_memory`)
+    EXPERTS_FUNCTIONS   the table the experts dispatch through (`@use_experts_implementation`): transformers', whose
+                        batched_mm first checks that its per-row weight copies fit (`check_batched_mm_memory`)
 
 Which paths wait on the device (a host-device sync stops the host from queueing kernels ahead, the cost that bounds a
 small model's step on a GPU):
@@ -15,21 +14,18 @@ small model's step on a GPU):
 - `sorted_grouped_mm` where torch's grouped_mm cannot run (the expert sizes `grouped_mm_takes` refuses, and under
   torch.compile weights other than bfloat16): transformers' fallback kernel reads the offsets on the host, once per
   projection in the forward and again in the backward.
-- the eager path, `VanillaTransformerExperts.forward` (`experts_implementation="eager"`): it reads the experts in use
-  (`.unique().tolist()`) and then each one's tokens (`torch.where`), one wait per expert.
+- the eager path, `VanillaTransformerExperts.forward` (`experts_implementation="eager"`): it reads the experts in
+  use (`.unique().tolist()`) and then each one's tokens (`torch.where`), one wait per expert.
 """
 
 import functools
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers.activations import SiLUActivation
-from transformers.integrations.moe import ExpertsInterface, use_experts_implementation
+from transformers.integrations.moe import ExpertsInterface
 from transformers.utils import is_torchdynamo_compiling, logging
-
-from .configuration_vanilla_transformer import GATED_FFN_TYPES, VanillaTransformerConfig
 
 logger = logging.get_logger(__name__)
 
@@ -236,93 +232,12 @@ class VanillaTransformerExpertsInterface(ExpertsInterface):
         return functools.partial(_memory_checked, experts_forward)
 
 
-# What `@use_experts_implementation` on our experts dispatches through.
+# What `@use_experts_implementation` on our experts (`VanillaTransformerExperts`) dispatches through.
 EXPERTS_FUNCTIONS = VanillaTransformerExpertsInterface()
-
-
-@use_experts_implementation(experts_interface=EXPERTS_FUNCTIONS)
-class VanillaTransformerExperts(nn.Module):
-    """`num_experts` FFNs of `config.ffn_type` (§3.3 or a GLU variant) stored as 3D tensors in Mixtral's layout, so
-    that transformers' experts functions run them: gated types fuse [gate; up] in `gate_up_proj` (E, 2I, H), ungated
-    ones have `up_proj` (E, I, H); `down_proj` is (E, H, I); `*_bias` when `config.use_bias`. `forward` is the eager
-    implementation; the decorator dispatches on `config._experts_implementation`. `activation` and
-    `activation_dropout`: the dense FFN's (the modeling file's `expert_activation`)."""
-
-    def __init__(
-        self,
-        config: VanillaTransformerConfig,
-        num_experts: int,
-        ffn_dim: int,
-        activation: nn.Module,
-        activation_dropout: nn.Module,
-    ):
-        super().__init__()
-        gated = config.ffn_type in GATED_FFN_TYPES
-        hidden = config.gated_hidden_size(ffn_dim) if gated else ffn_dim
-        self.num_experts = num_experts
-        if gated:
-            self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * hidden, config.d_model))
-        else:
-            self.up_proj = nn.Parameter(torch.empty(num_experts, hidden, config.d_model))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, config.d_model, hidden))
-        if config.use_bias:
-            if gated:
-                self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * hidden))
-            else:
-                self.up_proj_bias = nn.Parameter(torch.empty(num_experts, hidden))
-            self.down_proj_bias = nn.Parameter(torch.empty(num_experts, config.d_model))
-        self.activation = activation  # on the gate for gated types
-        self.activation_dropout = activation_dropout
-
-    # What the experts functions read. The decorator assigns one `has_gate` and `has_bias` to every instance of the
-    # class after `__init__`; here they follow the config, so they are read off the parameters and that is ignored.
-    has_gate = property(lambda self: "gate_up_proj" in self._parameters, lambda self, value: None)
-    has_bias = property(lambda self: "down_proj_bias" in self._parameters, lambda self, value: None)
-
-    @property
-    def up_projection_name(self) -> str:
-        return "gate_up_proj" if self.has_gate else "up_proj"
-
-    def act_fn(self, up: torch.Tensor) -> torch.Tensor:
-        """Hidden activation of an ungated expert (the experts functions call it by this name)."""
-        return self.activation_dropout(self.activation(up))
-
-    def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """Hidden activation of a gated expert: act(gate) * up (Shazeer 2020)."""
-        return self.activation_dropout(gated_activation(gate_up, self.activation))
-
-    def forward(
-        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
-    ) -> torch.Tensor:
-        """The eager path, one expert at a time: hidden_states (T, H), top_k_index and top_k_weights (T, k) -> (T, H),
-        each token's sum over its choices of weight * FFN_expert(x).
-
-        It rounds where transformers' batched and grouped functions do, so that in bf16 or fp16 switching the
-        implementation does not change the outputs: the bias is added to the rounded product, and the sum is taken
-        in the dtype of their weighted products (expert weights' times routing weights': the router's fp32) and cast
-        once."""
-        up_name = self.up_projection_name
-        top_k_index = local_expert_ids(self, top_k_index)
-        summed_dtype = torch.promote_types(self.down_proj.dtype, top_k_weights.dtype)
-        output = hidden_states.new_zeros(hidden_states.shape, dtype=summed_dtype)
-        for expert in top_k_index.unique().tolist():
-            token, choice = torch.where(top_k_index == expert)
-            hidden = self._linear(hidden_states[token], up_name, expert)
-            hidden = self._apply_gate(hidden) if self.has_gate else self.act_fn(hidden)
-            weighted = self._linear(hidden, "down_proj", expert) * top_k_weights[token, choice, None]
-            # Under autocast the matmuls here come out in bf16 whatever the weights' dtype (the grouped kernels,
-            # which autocast does not cover, in the weights' dtype), and a bias may promote them.
-            output.index_add_(0, token, weighted.to(output.dtype))
-        return output.to(hidden_states.dtype)
-
-    def _linear(self, inputs: torch.Tensor, projection: str, expert: int) -> torch.Tensor:
-        output = F.linear(inputs, getattr(self, projection)[expert])
-        return output + getattr(self, f"{projection}_bias")[expert] if self.has_bias else output
 
 
 __all__ = [
     "BATCHED_MM_MAX_GATHERED_BYTES",
-    "VanillaTransformerExperts",
     "EXPERTS_FUNCTIONS",
     "SORTED_GROUPED_MM",
     "VanillaTransformerExpertsInterface",

@@ -1,7 +1,7 @@
 """How the models load, save and shard: the `PreTrainedModel` methods they override, apart from the model code.
 
 load    an encoder-decoder checkpoint is refused by the heads on one stack; a tied source missing from the
-        checkpoint stays missing (and is initialised); experts run "sorted_grouped_mm" unless asked otherwise
+        checkpoint stays missing (and is initialised)
 save    `auto_map` names every head that can load the checkpoint, and the code of each is copied beside it (a
         model loaded as remote code fetches the heads' code its load did not copy from its checkpoint)
 shard   the parallelism plans keep the rules that name a module of the model; what transformers' engine cannot
@@ -20,7 +20,6 @@ from transformers.modeling_utils import PreTrainedModel
 from transformers.utils import logging
 
 from .auto_vanilla_transformer import HEADS, auto_map, loaders
-from .moe_kernels_vanilla_transformer import SORTED_GROUPED_MM
 
 logger = logging.get_logger(__name__)
 
@@ -117,17 +116,6 @@ class LoadSaveShardMixin:
         if distributed_config is not None:
             check_parallelism(model, distributed_config)
         return super().maybe_distribute_model(model, distributed_config, mesh_manager)
-
-    @classmethod
-    def _can_set_experts_implementation(cls) -> bool:
-        # transformers greps the module of `cls` for "@use_experts_implementation"; the experts class lives beside
-        # its kernels (moe_kernels_vanilla_transformer.py), in none of the models' modules.
-        return True
-
-    def get_correct_experts_implementation(self, requested_experts: str | None) -> str:
-        # Asked for none, transformers picks its "grouped_mm"; ours makes the same grouped matmuls with fewer passes
-        # over the rows around them, and takes the expert sizes torch's grouped_mm kernel refuses.
-        return super().get_correct_experts_implementation(requested_experts or SORTED_GROUPED_MM)
 
 
 def sibling_module_file(module: str, config: PreTrainedConfig) -> Path | None:

@@ -33,10 +33,11 @@ from hf_vanilla_transformer.modeling_vanilla_transformer import (
     VanillaTransformerExperts,
     VanillaTransformerRouter,
     VanillaTransformerSparseMoeBlock,
+    capacity_slots,
     dropped_token_counts,
     expert_capacity,
     ffn_activation,
-    within_capacity,
+    positions_in_experts,
 )
 from hf_vanilla_transformer.moe_kernels_vanilla_transformer import SORTED_GROUPED_MM, sorted_grouped_mm_experts_forward
 from hf_vanilla_transformer.router_losses_vanilla_transformer import load_balancing_loss, router_z_loss
@@ -237,6 +238,27 @@ def test_each_experts_implementation_runs_its_function(tmp_path, implementation)
                 spy.reset_mock()
 
 
+@pytest.mark.parametrize(
+    "head", [VanillaTransformerForCausalLM, VanillaTransformerForMaskedLM, VanillaTransformerForSequenceClassification]
+)
+def test_every_head_runs_the_experts_function_it_is_given(tmp_path, head):
+    """The heads are defined outside the module of the experts, where transformers looks for
+    `@use_experts_implementation`: each still runs the function named to `from_pretrained` or
+    `set_experts_implementation`."""
+    torch.manual_seed(0)
+    model = head(moe_config()).eval()
+    model.save_pretrained(tmp_path)
+    input_ids, attention_mask = padded_batch()
+    spy = Mock(wraps=grouped_mm_experts_forward)
+    with patch.dict(ALL_EXPERTS_FUNCTIONS._global_mapping, {"grouped_mm": spy}):
+        loaded = head.from_pretrained(tmp_path, experts_implementation="grouped_mm")
+        model.set_experts_implementation("grouped_mm")
+        for switched in (loaded, model):
+            switched(input_ids=input_ids, attention_mask=attention_mask)
+            assert switched.get_experts_implementation()[""] == "grouped_mm" and spy.called
+            spy.reset_mock()
+
+
 def test_sorted_grouped_mm_refuses_what_it_does_not_run():
     """Registered in transformers' table, ours can be chosen for any model's experts: it refuses a post-expert norm
     (which some models' experts have) instead of skipping it."""
@@ -317,11 +339,26 @@ def test_router_logits_are_recorded_per_moe_layer(overrides, encoder_layers, dec
 # ------------------------------------------------------------------------------------- capacity
 
 
+def gshard_kept(top_k_index: torch.Tensor, num_experts: int, capacity: int) -> torch.Tensor:
+    """Which (token, choice) assignments GShard keeps, written out: every token's first choice in token order, then
+    every second choice, ..., each kept while its expert has fewer than `capacity` assignments."""
+    load = [0] * num_experts
+    kept = torch.zeros(top_k_index.shape, dtype=torch.bool)
+    for choice in range(top_k_index.shape[1]):
+        for token in range(top_k_index.shape[0]):
+            expert = int(top_k_index[token, choice])
+            kept[token, choice] = load[expert] < capacity
+            load[expert] += 1
+    return kept
+
+
 def test_capacity_serves_first_choices_before_second_choices():
     # GShard order: every token's first choice, then second choices. Expert 0 is the first choice of all three
-    # tokens but has room for two, so token 2 loses it; the second choices all fit.
+    # tokens and queues them 0, 1, 2: with room for two, token 2 loses it; expert 1 queues the second choices of
+    # tokens 0 and 2, which fit.
     top_k_index = torch.tensor([[0, 1], [0, 2], [0, 1]])
-    keep = within_capacity(top_k_index, num_experts=3, capacity=2)
+    assert positions_in_experts(top_k_index, num_experts=3).tolist() == [[0, 0], [1, 0], [2, 1]]
+    _, _, keep = capacity_slots(top_k_index, torch.ones(3, 2), capacity=2, num_experts=3)
     assert keep.tolist() == [[True, True], [True, True], [False, True]]
 
 
@@ -348,7 +385,7 @@ def test_capacity_bounds_each_expert_and_dropped_tokens_keep_their_residual(expe
     assert dropped_token_counts(moe) == {"": overflow}
 
     # Tokens that lost every expert get no FFN output, so the pre-norm residual leaves them unchanged.
-    kept = within_capacity(top_k_index, 4, capacity)
+    kept = gshard_kept(top_k_index, 4, capacity)
     skipped = ~kept.any(dim=-1)
     assert skipped.sum() > 0
     assert torch.equal(output[skipped], torch.zeros_like(output[skipped]))

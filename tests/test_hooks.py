@@ -27,7 +27,7 @@ DOCS = ROOT / "docs" / "transformers-releases.md"
 HOOKS_SECTION = "## Hooks into transformers and torch"
 
 # The classes whose methods a model overrides: each override is a hook, public or not, and the docs name it.
-OVERRIDDEN = {"PreTrainedModel": PreTrainedModel, "GenerationMixin": GenerationMixin, "PreTrainedConfig": PreTrainedConfig}
+OVERRIDDEN = {cls.__name__: cls for cls in (PreTrainedModel, GenerationMixin, PreTrainedConfig)}
 # The modules of transformers that its own modeling files import their building blocks from, and which it documents:
 # a name imported from any other module of transformers (another model's, an integration's, a utility's) is a hook.
 PUBLIC_TRANSFORMERS_MODULES = {
@@ -221,10 +221,12 @@ with tempfile.TemporaryDirectory() as folder:
     with torch.no_grad():
         results["round_trip"] = torch.equal(model(ids, decoder_input_ids=ids).logits,
                                             loaded(ids, decoder_input_ids=ids).logits)
-    results["distributed"] = refusal(lambda: VanillaTransformerForConditionalGeneration.from_pretrained(folder, tp_size=2))
+    load = VanillaTransformerForConditionalGeneration.from_pretrained
+    results["distributed"] = refusal(lambda: load(folder, tp_size=2))
     results["pipeline"] = refusal(lambda: check_parallelism(model, DistributedConfig(pp_size=2)))
 with tempfile.TemporaryDirectory() as folder:  # the config alone: a refusal must come before any weight is read
-    VanillaTransformerConfig(**config, share_encoder_decoder_embeddings=False, tie_word_embeddings=True).save_pretrained(folder)
+    tied_unlike_transformers = dict(share_encoder_decoder_embeddings=False, tie_word_embeddings=True)
+    VanillaTransformerConfig(**config, **tied_unlike_transformers).save_pretrained(folder)
     results["tying"] = refusal(lambda: VanillaTransformerForConditionalGeneration.from_pretrained(folder))
 results["require_false"] = refusal(lambda: require(torch.tensor(False), "the condition failed"))
 results["require_true"] = refusal(lambda: require(torch.tensor(True), "the condition failed"))
@@ -295,7 +297,8 @@ def test_the_local_attention_helpers_compute_what_llamas_do():
     query, key = torch.randn(2, 4, 5, 8), torch.randn(2, 2, 5, 8)
     value, mask = torch.randn(2, 2, 5, 8), torch.randn(2, 1, 5, 5)
     cos, sin = torch.randn(2, 5, 8), torch.randn(2, 5, 8)
-    for ours, theirs in zip(apply_rotary_pos_emb(query, key, cos, sin), llama.apply_rotary_pos_emb(query, key, cos, sin)):
+    rotated = zip(apply_rotary_pos_emb(query, key, cos, sin), llama.apply_rotary_pos_emb(query, key, cos, sin))
+    for ours, theirs in rotated:
         torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
     module = nn.Module()
     module.num_key_value_groups = 2

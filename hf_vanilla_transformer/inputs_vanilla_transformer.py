@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from transformers.utils import is_torchdynamo_compiling
 
+from .compat_vanilla_transformer import fits
+
 IGNORE_INDEX = -100  # transformers' label for "no loss here"
 
 # `skip_logits=True` leaves the loss as the only output.
@@ -23,11 +25,19 @@ SKIP_LOGITS_WITHOUT_LABELS = "skip_logits=True returns the loss without logits, 
 FLATTENED_KEYWORDS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
 
+# Without it (a torch that dropped or renamed it), `require` reads the condition on the host, as a CPU tensor is read.
+ASSERTS_ON_DEVICE = fits("torch._assert_async")
+
+
 def require(condition: torch.Tensor, message: str) -> None:
     """Raise `message` where the 0-dim bool tensor `condition` is False, without a host-device sync: on an
     accelerator `torch._assert_async` fails the device's stream later instead of stopping the host to read the value
     now; on a CPU tensor it raises at once, as a ValueError here. Not traced by torch.compile."""
     if is_torchdynamo_compiling():
+        return
+    if not ASSERTS_ON_DEVICE:
+        if not condition:
+            raise ValueError(message)
         return
     try:
         torch._assert_async(condition, message)

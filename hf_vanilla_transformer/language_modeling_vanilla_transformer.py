@@ -95,8 +95,9 @@ class VanillaTransformerForConditionalGeneration(LanguageModelingHead, VanillaTr
         self.loss_type = "ForMaskedLM"
         self.post_init()
 
-    def resize_token_embeddings(self, new_num_tokens=None, pad_to_multiple_of=None, mean_resizing=True) -> nn.Embedding:
-        embeddings = super().resize_token_embeddings(new_num_tokens, pad_to_multiple_of, mean_resizing)
+    def resize_token_embeddings(self, *args, **kwargs) -> nn.Embedding:
+        # Whatever it takes, transformers' method returns the resized input embedding, whose size the bias follows.
+        embeddings = super().resize_token_embeddings(*args, **kwargs)
         bias = self.lm_head.bias
         if bias is not None and bias.shape[0] != embeddings.num_embeddings:  # a tied head keeps its old bias
             new_bias = bias.new_zeros(embeddings.num_embeddings)

@@ -24,7 +24,6 @@ from torch import nn
 from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
-from transformers.distributed.pipeline_parallel import PipelineIdentityLayer
 from transformers.integrations.moe import use_experts_implementation
 from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
@@ -36,13 +35,13 @@ from transformers.modeling_outputs import (
     Seq2SeqMoEModelOutput,
 )
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, eager_attention_forward
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple
 from transformers.utils.generic import merge_with_config_defaults
-from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
+from .compat_vanilla_transformer import OutputRecorder, PipelineIdentityLayer, capture_outputs, overrides
 from .configuration_vanilla_transformer import GATED_FFN_TYPES, StackName, VanillaTransformerConfig
+from .eager_attention_vanilla_transformer import apply_rotary_pos_emb, eager_attention_forward
 from .inputs_vanilla_transformer import FLATTENED_KEYWORDS, IGNORE_INDEX, check_stack_inputs, require
 from .moe_kernels_vanilla_transformer import EXPERTS_FUNCTIONS, gated_activation, local_expert_ids
 from .packing_vanilla_transformer import (
@@ -832,6 +831,7 @@ class VanillaTransformerPreTrainedModel(LoadSaveShardMixin, PreTrainedModel):
     # a class returns router logits, and one class serves dense and MoE configs. With experts the forward returns the
     # MoE output class named beside the annotation.
 
+    @overrides("PreTrainedModel._can_set_experts_implementation")
     @classmethod
     def _can_set_experts_implementation(cls) -> bool:
         # transformers reads the module that defines `cls` for "@use_experts_implementation": the classes of this
@@ -1155,6 +1155,7 @@ class VanillaTransformerModel(VanillaTransformerPreTrainedModel):
                 return base_class.from_pretrained(pretrained_model_name_or_path, *model_args, config=config, **kwargs)
         return super().from_pretrained(pretrained_model_name_or_path, *model_args, config=config, **kwargs)
 
+    @overrides("PreTrainedModel._from_config")
     @classmethod
     def _from_config(cls, config: VanillaTransformerConfig, **kwargs):
         base_class = base_model_class(config) if cls is VanillaTransformerModel else cls
@@ -1162,6 +1163,7 @@ class VanillaTransformerModel(VanillaTransformerPreTrainedModel):
             return base_class._from_config(config, **kwargs)
         return super()._from_config(config, **kwargs)
 
+    @overrides("PreTrainedModel.get_expanded_tied_weights_keys")
     def get_expanded_tied_weights_keys(self, all_submodels: bool = False) -> dict:
         # Source/target sharing is its own switch (share_encoder_decoder_embeddings); transformers' generic mapping
         # would gate it on tie_word_embeddings, which only concerns the pre-softmax projection.

@@ -20,11 +20,18 @@ from transformers.modeling_utils import PreTrainedModel
 from transformers.utils import logging
 
 from .auto_vanilla_transformer import HEADS, auto_map, loaders
+from .compat_vanilla_transformer import PIPELINE_IDENTITY_LAYER, fits, overrides, refuse_unfit
 
 logger = logging.get_logger(__name__)
 
 # The from_pretrained arguments that say where a checkpoint is, to read its config before choosing the class.
 HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder", "trust_remote_code")
+# The from_pretrained arguments that ask for a distributed load.
+DISTRIBUTED_KWARGS = ("distributed_config", "tp_plan", "tp_size")
+
+# The hooks whose fallback is a refusal at load (compat_vanilla_transformer).
+MAYBE_DISTRIBUTE_MODEL = "PreTrainedModel.maybe_distribute_model"
+TIED_WEIGHTS_KEYS = "PreTrainedModel.get_expanded_tied_weights_keys"
 
 
 # A layer's number in a module name (`layers.3.mlp`), written `*` in the parallelism plans' rules (`layers.*.mlp`).
@@ -44,6 +51,10 @@ class LoadSaveShardMixin:
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, config=None, **kwargs):
+        if any(kwargs.get(key) is not None for key in DISTRIBUTED_KWARGS):
+            refuse_unfit(MAYBE_DISTRIBUTE_MODEL, "a distributed load (distributed_config, tp_plan, tp_size)")
+        if not fits(TIED_WEIGHTS_KEYS):
+            refuse_tying_unlike_transformers(cls.checkpoint_config(pretrained_model_name_or_path, config, kwargs))
         declared = HEADS.get(cls.__name__)
         if (
             declared is not None
@@ -59,6 +70,7 @@ class LoadSaveShardMixin:
             )
         return super().from_pretrained(pretrained_model_name_or_path, *model_args, config=config, **kwargs)
 
+    @overrides("PreTrainedModel.mark_tied_weights_as_initialized")
     def mark_tied_weights_as_initialized(self, loading_info) -> None:
         # transformers marks every tied parameter as loaded before tying it to its source; a tied name that is the
         # source's own parameter (the stacks hold the `shared` embedding module itself) would mark the source too, and
@@ -91,6 +103,7 @@ class LoadSaveShardMixin:
                 for file in (module_file, *get_relative_import_files(module_file)):
                     shutil.copyfile(file, Path(save_directory) / Path(file).name)
 
+    @overrides("PreTrainedModel.init_parallel_plans")
     def init_parallel_plans(self) -> None:
         """transformers' parallelism plans, keeping the rules that name a module or parameter of this model. The
         config's plans name the modules of every variant (dense or gated FFN, experts with or without biases,
@@ -102,6 +115,7 @@ class LoadSaveShardMixin:
         for plan in ("_tp_plan", "_ep_plan", "_pp_plan"):
             setattr(self, plan, {rule: value for rule, value in getattr(self, plan).items() if rule in names})
 
+    @overrides("PreTrainedModel.gather_sharded_state_dict_for_save")
     def gather_sharded_state_dict_for_save(self, model_to_save, state_dict, distributed_config, **kwargs) -> dict:
         # transformers gathers each key of a sharded model on its own, so tied weights come back as copies, which
         # save_pretrained would all write (the shared embedding four times); gathered once, they are saved once.
@@ -111,6 +125,7 @@ class LoadSaveShardMixin:
                 gathered[target] = gathered[source]
         return gathered
 
+    @overrides(MAYBE_DISTRIBUTE_MODEL)
     @classmethod
     def maybe_distribute_model(cls, model, distributed_config, mesh_manager):
         if distributed_config is not None:
@@ -138,6 +153,18 @@ def sibling_module_file(module: str, config: PreTrainedConfig) -> Path | None:
         return None
 
 
+def refuse_tying_unlike_transformers(config: PreTrainedConfig) -> None:
+    """Where the models' tying cannot replace transformers' (`TIED_WEIGHTS_KEYS` does not fit), refuse the
+    encoder-decoders that transformers' would tie otherwise: it shares the source embedding as `tie_word_embeddings`
+    says, not as `share_encoder_decoder_embeddings` does."""
+    if config.is_encoder_decoder and config.share_encoder_decoder_embeddings != config.tie_word_embeddings:
+        refuse_unfit(
+            TIED_WEIGHTS_KEYS,
+            f"share_encoder_decoder_embeddings={config.share_encoder_decoder_embeddings} with "
+            f"tie_word_embeddings={config.tie_word_embeddings}",
+        )
+
+
 def check_parallelism(model: PreTrainedModel, distributed_config) -> None:
     """Refuse, before any weight is read, what transformers' distributed engine cannot shard (transformers 5.23).
     Tensor parallelism gives each rank whole attention heads and whole K/V head groups. The pipeline engine splits
@@ -152,6 +179,8 @@ def check_parallelism(model: PreTrainedModel, distributed_config) -> None:
                     f"tp_size={tp_size} does not divide {name}={count}: tensor parallelism gives each rank whole "
                     "attention heads (and whole groups of query heads sharing a key/value head)."
                 )
+    if distributed_config.pp_size > 1:
+        refuse_unfit(PIPELINE_IDENTITY_LAYER, "pipeline parallelism (pp_size > 1)")
     if distributed_config.pp_size > 1 and not type(model)._pp_plan:
         raise ValueError(
             f"pp_size > 1 (pipeline parallelism) is not supported for {type(model).__name__}: transformers' pipeline "

@@ -12,6 +12,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from conftest import tiny_config
 from test_config import valid_fields
 from transformers import (
     AutoModelForCausalLM,
@@ -26,6 +27,7 @@ from hf_vanilla_transformer import (
     VanillaTransformerForConditionalGeneration,
     VanillaTransformerForSequenceClassification,
     VanillaTransformerForTokenClassification,
+    VanillaTransformerModel,
 )
 from hf_vanilla_transformer.moe_kernels_vanilla_transformer import SORTED_GROUPED_MM, grouped_mm_takes
 
@@ -415,3 +417,30 @@ def test_classifiers_with_every_label_ignored_give_loss_zero(head):
     labels[0] = 1  # one counted label (row): the mean cross-entropy over the counted items
     expected = torch.nn.functional.cross_entropy(model(input_ids=ids).logits.reshape(-1, 3), labels.reshape(-1))
     torch.testing.assert_close(model(input_ids=ids, labels=labels).loss, expected)
+
+
+def test_the_base_model_without_a_target_names_decoder_input_ids():
+    """The encoder-decoder without a head has no labels to shift: a call without the target names what to pass,
+    before the encoder runs (it failed inside torch's embedding lookup)."""
+    model = VanillaTransformerModel(tiny_config()).eval()
+    with pytest.raises(ValueError, match="decoder_input_ids"):
+        model(input_ids=torch.randint(3, 64, (2, 5)))
+
+
+def test_a_decoder_only_classifier_reads_the_position_ids_it_is_given():
+    """The GPT-style classifier derives positions from the padding mask only where the caller gives none: given
+    positions move the sinusoidal and rotary encodings, so the logits change with them."""
+    for position_embedding_type in ("sinusoidal", "rope"):
+        config = tiny_config(
+            is_encoder_decoder=False, is_decoder=True, num_labels=3, position_embedding_type=position_embedding_type
+        )
+        torch.manual_seed(0)
+        model = VanillaTransformerForSequenceClassification(config).eval()
+        input_ids = torch.randint(3, 64, (2, 6))
+        with torch.no_grad():
+            default = model(input_ids=input_ids).logits
+            counted_from_zero = model(input_ids=input_ids, position_ids=torch.arange(6).expand(2, 6)).logits
+            with_a_gap = torch.tensor([0, 1, 2, 7, 8, 9]).expand(2, 6)  # RoPE sees only relative positions
+            shifted = model(input_ids=input_ids, position_ids=with_a_gap).logits
+        torch.testing.assert_close(counted_from_zero, default)  # no padding: the derived positions are 0, 1, ...
+        assert not torch.allclose(shifted, default)

@@ -2,7 +2,7 @@
 
     python benchmarks/cpu_attention_kernels.py            # the threads torch picks (all cores)
 
-The numbers behind `SHORT_SEQUENCE_ON_CPU` (modeling_vanilla_transformer, `cpu_half_precision_attention`): training in
+The numbers behind `SHORT_SEQUENCE_ON_CPU` (cpu_training_vanilla_transformer, `optimize_for_cpu_training`): training in
 bfloat16 or float16 on a CPU, short sequences take the math kernel, because the flash kernel's backward is the slower
 one there. Each row times one
 forward + backward of SDPA on (batch, 8 heads, length, 64) with a padding mask (or causal), batch x length = 4096

@@ -1,13 +1,14 @@
-"""Dropout in training on a CPU: torch's `nn.Dropout` against the package's `Dropout`, forward and backward.
+"""Dropout in training on a CPU: torch's `nn.Dropout` against `CpuDropout` (`optimize_for_cpu_training`), forward and
+backward.
 
     OMP_NUM_THREADS=1 python benchmarks/cpu_dropout.py --clock cpu     # the steady figure on a shared machine
     python benchmarks/cpu_dropout.py                                   # all cores, wall clock
 
-The numbers behind `Dropout` (modeling_vanilla_transformer): on CPUs where torch samples a dropout mask one element
-at a time (not Intel with MKL) the package draws two elements per 64-bit draw. Each row times one dropout forward + backward
-(p = 0.1) of an activation the size of a training batch of the image demo, the Multi30k recipe and transformer-base,
-the two modules alternating (`time_alternating`, median per-round ratio). The last rows time the mask alone: torch's
-Bernoulli sampler against `keep_mask`.
+The numbers behind `CpuDropout` (cpu_training_vanilla_transformer): on CPUs where torch samples a dropout mask one
+element at a time (not Intel with MKL) it draws two elements per 64-bit draw. Each row times one dropout forward +
+backward (p = 0.1) of an activation the size of a training batch of the image demo, the Multi30k recipe and
+transformer-base, the two modules alternating (`time_alternating`, median per-round ratio). The last rows time the
+mask alone: torch's Bernoulli sampler against `keep_mask`.
 """
 
 import argparse
@@ -16,7 +17,11 @@ from pathlib import Path
 import torch
 from measure import environment, time_alternating, write_results
 
-from hf_vanilla_transformer.modeling_vanilla_transformer import Dropout, cpu_samples_dropout_per_element, keep_mask
+from hf_vanilla_transformer.cpu_training_vanilla_transformer import (
+    CpuDropout,
+    cpu_samples_dropout_per_element,
+    keep_mask,
+)
 
 SHAPES = {
     "image demo (64, 17, 64)": (64, 17, 64),
@@ -40,7 +45,7 @@ def main() -> None:
     parser.add_argument("--output", type=Path, default=None)
     args = parser.parse_args()
     if not cpu_samples_dropout_per_element():
-        print("This CPU samples torch's dropout masks with MKL: the package's Dropout is nn.Dropout here.")
+        print("This CPU samples torch's dropout masks with MKL: optimize_for_cpu_training keeps nn.Dropout here.")
 
     rows = []
     print(f"{'activation':38s} {'dtype':9s} {'torch us':>9s} {'ours us':>8s} {'torch / ours':>12s}")
@@ -49,7 +54,7 @@ def main() -> None:
             inputs = torch.randn(shape, dtype=dtype, requires_grad=True)
             upstream = torch.randn(shape, dtype=dtype)
             torch_run, ours_run = (
-                forward_backward(module(P).train(), inputs, upstream) for module in (torch.nn.Dropout, Dropout)
+                forward_backward(module(P).train(), inputs, upstream) for module in (torch.nn.Dropout, CpuDropout)
             )
             rows.append(row(name, str(dtype).removeprefix("torch."), torch_run, ours_run, args))
     mask_shape = SHAPES["Multi30k recipe (64, 25, 256)"]

@@ -147,7 +147,7 @@ class VanillaTransformerForConditionalGeneration(LanguageModelingHead, VanillaTr
             The name of `cache` before transformers 5.24.
 
         With experts (`num_experts > 0`) the output is a `Seq2SeqMoEOutput` with per-stack balancing and z-losses;
-        their weighted sum is already in the gradient of any loss built from `logits` (see `attach_router_loss`).
+        their weighted sum is already in the gradient of any loss built from `logits` (see `with_router_gradient`).
         """
         if past_key_values is not None:  # from transformers 5.24 generate passes `cache`: no call at its steps
             cache = given_cache(cache, past_key_values)
@@ -278,7 +278,7 @@ class VanillaTransformerForCausalLM(LanguageModelingHead, VanillaTransformerGene
             The name of `cache` before transformers 5.24.
 
         With experts the output is a `MoeCausalLMOutput` (Mixtral's, plus `z_loss`); the weighted router losses are
-        already in the gradient of any loss built from `logits` (see `attach_router_loss`).
+        already in the gradient of any loss built from `logits` (see `with_router_gradient`).
         """
         cache, first_layer = given_cache(cache, past_key_values), self.model.first_layer_run
         check_stack_inputs(

@@ -64,19 +64,70 @@ EXPORTABLE_CLASSES = {
 }
 
 
+# norm_position -> CTranslate2's flags: the norm before the sub-layer (else after the residual add), and the sandwich's
+# second norm, after the sub-layer.
+NORM_PLACEMENTS = {
+    "post": dict(pre_norm=False, pre_post_layer_norm=False),
+    "pre": dict(pre_norm=True, pre_post_layer_norm=False),
+    "sandwich": dict(pre_norm=True, pre_post_layer_norm=True),
+}
+# norm_type -> CTranslate2's `rms_norm`.
+RMS_NORM = {"layernorm": False, "rmsnorm": True}
+
+
+# The additive position vectors of positions 0 .. max_position_embeddings - 1, as our model adds them.
+def learned_positions(config: VanillaTransformerConfig, stack: nn.Module) -> torch.Tensor:
+    return stack.embed_positions.weight
+
+
+def sinusoidal_positions(config: VanillaTransformerConfig, stack: nn.Module) -> torch.Tensor:
+    positions = torch.arange(config.max_position_embeddings)
+    return sinusoidal_position_encoding(positions, config.d_model, config.sinusoidal_layout)
+
+
+def no_positions(config: VanillaTransformerConfig, stack: nn.Module) -> torch.Tensor:
+    return torch.zeros(config.max_position_embeddings, config.d_model)  # adding zeros changes nothing
+
+
+# position_embedding_type -> its table of additive positions; None for RoPE, which CTranslate2 applies in attention.
+POSITION_TABLES = {"learned": learned_positions, "sinusoidal": sinusoidal_positions, "none": no_positions, "rope": None}
+# Each config field the export switches on -> the table of the values it exports. Any other value, one the config
+# gains later included, is refused by name rather than exported as some other variant.
+SWITCHES = {
+    "norm_position": NORM_PLACEMENTS,
+    "norm_type": RMS_NORM,
+    "ffn_type": CT2_ACTIVATIONS,
+    "position_embedding_type": POSITION_TABLES,
+}
+# Why a value the config has is not among them.
+UNREPRESENTABLE = {
+    ("norm_position", "deepnorm"): (
+        "'deepnorm' scales the residual by alpha before the norm, and CTranslate2 has no residual scale "
+        "(folding it into the norm input is not exact because of norm_eps)"
+    ),
+    ("ffn_type", "bilinear"): "'bilinear' needs an identity activation on the gate, which CTranslate2 lacks",
+}
+
+
 def unsupported_fields(config: VanillaTransformerConfig) -> dict[str, str]:
     """Config field -> why CTranslate2 cannot compute that variant exactly; empty when the model exports."""
     reasons = {}
     if config.num_experts > 0:
         reasons["num_experts"] = "CTranslate2's Transformer specs have no Mixture-of-Experts layers"
-    if config.norm_position == "deepnorm":
-        reasons["norm_position"] = (
-            "'deepnorm' scales the residual by alpha before the norm, and CTranslate2 has no residual scale "
-            "(folding it into the norm input is not exact because of norm_eps)"
-        )
-    if config.ffn_type not in CT2_ACTIVATIONS:
-        reasons["ffn_type"] = f"{config.ffn_type!r} needs an identity activation on the gate, which CTranslate2 lacks"
+    for field, table in SWITCHES.items():
+        value = getattr(config, field)
+        if value not in table:
+            reasons[field] = UNREPRESENTABLE.get((field, value), f"the export handles {list(table)} only")
     return reasons
+
+
+def exported(config: VanillaTransformerConfig, field: str) -> Any:
+    """The export's entry for `config.<field>` in its table (`SWITCHES`); a value without one is refused by name."""
+    table = SWITCHES[field]
+    value = getattr(config, field)
+    if value not in table:
+        check_exportable(config)
+    return table[value]
 
 
 def check_exportable(config: VanillaTransformerConfig) -> None:
@@ -167,27 +218,18 @@ NORM_SLOTS = {
 }
 
 
-def set_layer(spec: Any, layer: nn.Module, norm_position: str) -> None:
-    """One encoder or decoder layer: attention(s), FFN, and the norms of their residual connections."""
+def set_layer(spec: Any, layer: nn.Module, sandwich: bool) -> None:
+    """One encoder or decoder layer: attention(s), FFN, and the norms of their residual connections (two each in the
+    sandwich)."""
     set_attention(spec.self_attention, layer.self_attn, self_attention=True)
     if hasattr(layer, "encoder_attn"):
         set_attention(spec.attention, layer.encoder_attn, self_attention=False)
     set_feed_forward(spec.ffn, layer.mlp)
-    slots = NORM_SLOTS["sandwich" if norm_position == "sandwich" else "single"]
+    slots = NORM_SLOTS["sandwich" if sandwich else "single"]
     for connection_name, norms in slots.items():
         connection = getattr(layer, connection_name, None)  # no encoder_attn_connection in encoder/decoder-only
         for norm_name, spec_path in norms.items() if connection is not None else ():
             set_norm(attrgetter(spec_path)(spec), getattr(connection, norm_name))
-
-
-def position_table(config: VanillaTransformerConfig, stack: nn.Module) -> torch.Tensor:
-    """The additive position vectors of positions 0 .. max_position_embeddings - 1, as our model adds them."""
-    if config.position_embedding_type == "learned":
-        return stack.embed_positions.weight
-    if config.position_embedding_type == "sinusoidal":
-        positions = torch.arange(config.max_position_embeddings)
-        return sinusoidal_position_encoding(positions, config.d_model, config.sinusoidal_layout)
-    return torch.zeros(config.max_position_embeddings, config.d_model)  # "none": adding zeros changes nothing
 
 
 def set_stack(spec: Any, stack: nn.Module, config: VanillaTransformerConfig) -> None:
@@ -195,11 +237,11 @@ def set_stack(spec: Any, stack: nn.Module, config: VanillaTransformerConfig) -> 
     embeddings = spec.embeddings[0] if isinstance(spec.embeddings, list) else spec.embeddings
     embeddings.weight = stack.embed_tokens.weight
     spec.scale_embeddings = stack.embed_tokens.embed_scale
-    if config.position_embedding_type != "rope":
-        table = position_table(config, stack)
-        spec.position_encodings.encodings = table.to(stack.embed_tokens.weight.dtype)
+    position_table = exported(config, "position_embedding_type")
+    if position_table is not None:
+        spec.position_encodings.encodings = position_table(config, stack).to(stack.embed_tokens.weight.dtype)
     for layer_spec, layer in zip(spec.layer, stack.layers):
-        set_layer(layer_spec, layer, config.norm_position)
+        set_layer(layer_spec, layer, sandwich=exported(config, "norm_position")["pre_post_layer_norm"])
     if stack.layer_norm is not None:
         set_norm(spec.layer_norm, stack.layer_norm)
 
@@ -210,14 +252,13 @@ def stack_options(config: VanillaTransformerConfig, num_heads: int) -> dict[str,
 
     kv_heads = config.key_value_heads(num_heads)
     options = dict(
-        pre_norm=config.norm_position in ("pre", "sandwich"),
-        pre_post_layer_norm=config.norm_position == "sandwich",
-        activation=getattr(common_spec.Activation, CT2_ACTIVATIONS[config.ffn_type]),
+        **exported(config, "norm_position"),
+        activation=getattr(common_spec.Activation, exported(config, "ffn_type")),
         ffn_glu=config.ffn_type in GATED_FFN_TYPES,
-        rms_norm=config.norm_type == "rmsnorm",
+        rms_norm=exported(config, "norm_type"),
         num_heads_kv=kv_heads if kv_heads != num_heads else None,
     )
-    if config.position_embedding_type == "rope":  # rotate-half (GPT-NeoX/Llama) layout over the whole head
+    if exported(config, "position_embedding_type") is None:  # RoPE: rotate-half (GPT-NeoX/Llama), the whole head
         options.update(rotary_dim=0, rotary_interleave=False, rotary_base=config.rope_theta)
     return options
 
@@ -234,7 +275,7 @@ def seq2seq_spec(model: VanillaTransformerForConditionalGeneration) -> Any:
         config.decoder_layers,
         config.decoder_attention_heads,
         # the sandwich's cross-attention norms sit outside CTranslate2's attention layer (T5Gemma's layout)
-        external_pre_post_encoder_layers=config.norm_position == "sandwich",
+        external_pre_post_encoder_layers=exported(config, "norm_position")["pre_post_layer_norm"],
         **stack_options(config, config.decoder_attention_heads),
     )
     spec = transformer_spec.TransformerSpec(encoder, decoder)

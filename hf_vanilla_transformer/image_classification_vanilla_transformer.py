@@ -71,9 +71,9 @@ def check_image_config(config: VanillaTransformerConfig) -> None:
 
 
 # What an image classifier's config holds where the caller says nothing: the encoder alone, learned positions (ViT
-# §3.1), no vocabulary or special tokens (its tokens are patches: the encoder's token embedding, one row here, is
-# deleted as soon as it is built), and Xavier init, which learned the digits better than N(0, 0.02) with the same
-# recipe (docs/images.md).
+# §3.1), no vocabulary or special tokens (its tokens are patches, embedded by the patch embedding: the encoder builds
+# no token embedding; vocab_size is 1, the least the config takes, as it was in every image checkpoint saved), and
+# Xavier init, which learned the digits better than N(0, 0.02) with the same recipe (docs/images.md).
 IMAGE_DEFAULTS = dict(
     is_encoder_decoder=False,
     is_decoder=False,
@@ -167,10 +167,7 @@ class VanillaTransformerImageEncoder(VanillaTransformerImagePreTrainedModel, Van
 
     def __init__(self, config: VanillaTransformerConfig):
         check_image_config(config)
-        super().__init__(config)
-        del self.embed_tokens
-        self.patch_embeddings = VanillaTransformerPatchEmbeddings(config)
-        self.post_init()
+        super().__init__(config, patch_embeddings=VanillaTransformerPatchEmbeddings(config))
 
     def forward(self, pixel_values: torch.Tensor, **kwargs: Unpack[TransformersKwargs]) -> MoeEncoderOutput:
         return super().forward(inputs_embeds=self.patch_embeddings(pixel_values), **kwargs)

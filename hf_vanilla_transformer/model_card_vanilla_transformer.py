@@ -40,6 +40,14 @@ def head_name(model_or_config: PreTrainedModel | PreTrainedConfig) -> str:
     return name
 
 
+def described(descriptions: dict[Any, Any], field: str, value: Any) -> Any:
+    """The card's entry for `field` = `value`; a value it has no entry for (one the config gained later) is named,
+    not described as another."""
+    if value not in descriptions:
+        raise ValueError(f"The model card cannot describe {field}={value!r}: it describes {list(descriptions)}.")
+    return descriptions[value]
+
+
 def stack_kind(config: PreTrainedConfig) -> str:
     """The stacks the model runs, from its config (a task head's config names the stack it runs)."""
     return {("encoder", "decoder"): "encoder-decoder", ("decoder",): "decoder-only", ("encoder",): "encoder-only"}[
@@ -68,7 +76,8 @@ def positions_description(config: PreTrainedConfig) -> str:
         "learned": f", at most {config.max_position_embeddings} positions",
         "none": "",
     }
-    return paper(config.position_embedding_type, "sinusoidal") + details[config.position_embedding_type]
+    kind = config.position_embedding_type
+    return paper(kind, "sinusoidal") + described(details, "position_embedding_type", kind)
 
 
 def experts_description(config: PreTrainedConfig) -> str:
@@ -115,7 +124,8 @@ def architecture_rows(config: PreTrainedConfig, head: str) -> list[tuple[str, st
         ),
     ]
     if head == "VanillaTransformerForImageClassification":
-        pooling = {"mean": "pooled: mean over patches", "first": "pooled: [class] token"}[config.classifier_pooling]
+        poolings = {"mean": "pooled: mean over patches", "first": "pooled: [class] token"}
+        pooling = described(poolings, "classifier_pooling", config.classifier_pooling)
         image = f"{config.image_size} pixels, {config.num_channels} channels, patches of {config.patch_size}"
         # An image has no vocabulary: the rows about token embeddings give way to the image's.
         rows = [row for row in rows if row[0] not in TOKEN_EMBEDDING_ROWS] + [("Image (ViT)", f"{image}; {pooling}")]
@@ -151,12 +161,17 @@ def default_limitations(config: PreTrainedConfig) -> list[str]:
             "Post-LN (the paper's placement) needs a learning-rate warm-up (§5.3) and gets unstable as depth grows; "
             "fine-tune with a warm-up too."
         )
-    if config.position_embedding_type == "learned":
-        limitations.append(f"Learned positions: inputs longer than {config.max_position_embeddings} tokens fail.")
-    elif config.position_embedding_type in ("sinusoidal", "rope"):
-        limitations.append(
-            "Sinusoidal/rotary positions accept any length, but quality drops on inputs much longer than in training."
-        )
+    any_length = (
+        "Sinusoidal/rotary positions accept any length, but quality drops on inputs much longer than in training."
+    )
+    lengths = {
+        "learned": f"Learned positions: inputs longer than {config.max_position_embeddings} tokens fail.",
+        "sinusoidal": any_length,
+        "rope": any_length,
+        "none": None,  # no positions: no caveat about length
+    }
+    if length := described(lengths, "position_embedding_type", config.position_embedding_type):
+        limitations.append(length)
     if config.num_experts:
         limitations.append(
             "Mixture of Experts: keep the router's auxiliary losses on when fine-tuning"

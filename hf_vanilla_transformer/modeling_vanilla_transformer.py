@@ -873,14 +873,27 @@ class VanillaTransformerStack(VanillaTransformerPreTrainedModel):
     """What the encoder and decoder share (§3.1): scaled token embeddings, positions, dropout on their sum (§5.4), N
     identical layers and, for the pre-norm placements, a final norm."""
 
-    def __init__(self, config: VanillaTransformerConfig, layer_class: type[nn.Module], num_layers: int, num_heads: int):
+    def __init__(
+        self,
+        config: VanillaTransformerConfig,
+        layer_class: type[nn.Module],
+        num_layers: int,
+        num_heads: int,
+        **input_embeddings: nn.Module,
+    ):
+        """`input_embeddings`: what embeds inputs that are not token ids (the image encoder's `patch_embeddings`),
+        in place of the token embedding."""
         super().__init__(config)
-        self.embed_tokens = ScaledWordEmbedding(config)
+        if not input_embeddings:
+            self.embed_tokens = ScaledWordEmbedding(config)
         self.embed_positions = build_position_embedding(config, num_heads)
         self.dropout = nn.Dropout(config.dropout)
         self.layers = nn.ModuleList([layer_class(config, i) for i in range(num_layers)])
         self.layer_norm = build_norm(config) if norm_first(config) else None
         self.gradient_checkpointing = False
+        # After the layers: the parameter order of the image checkpoints (and their optimizer states) saved before.
+        for name, module in input_embeddings.items():
+            self.add_module(name, module)
 
     def embed(
         self,
@@ -968,8 +981,9 @@ class VanillaTransformerEncoder(VanillaTransformerStack):
         "router_logits": OutputRecorder(VanillaTransformerRouter, index=0),
     }
 
-    def __init__(self, config: VanillaTransformerConfig):
-        super().__init__(config, VanillaTransformerEncoderLayer, config.encoder_layers, config.encoder_attention_heads)
+    def __init__(self, config: VanillaTransformerConfig, **input_embeddings: nn.Module):
+        layers, heads = config.encoder_layers, config.encoder_attention_heads
+        super().__init__(config, VanillaTransformerEncoderLayer, layers, heads, **input_embeddings)
         self.output_class = MoeEncoderOutput if config.num_experts else BaseModelOutput
         self.post_init()
 

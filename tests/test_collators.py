@@ -139,42 +139,44 @@ def test_a_batch_with_more_pairs_than_slots_is_refused():
 # --- the layout a run trains on -------------------------------------------------------------------------------------
 
 
-def test_the_cpu_trains_on_flattened_batches():
-    """On the CPU the flattened layout's savings in every position-wise layer outweigh its attention fallback."""
-    model = translation_model(attention_dropout=0.1)
-    with mock.patch.object(collators, "varlen_kernel", side_effect=AssertionError("not asked on the CPU")):
-        assert preferred_layout(model, "cpu", half_precision=False) == "flattened"
-        assert preferred_layout(model, torch.device("cpu"), half_precision=True) == "flattened"
-
-
 @pytest.mark.parametrize("implementation", ["sdpa", "eager", "flash_attention_2"])
 @pytest.mark.parametrize("attention_dropout", [0.0, 0.1])
 @pytest.mark.parametrize("half_precision", [True, False])
-def test_cuda_trains_flattened_only_where_a_varlen_kernel_runs(implementation, attention_dropout, half_precision):
-    """A GPU takes flattened batches where a variable-length kernel runs their attention: transformers' flash
-    integration in any dtype; else torch's `varlen_attn` (half precision, no attention dropout, a torch that has it)
-    or flash-attn's (half precision, dropout too, where installed). Elsewhere the fallback would run it, which
-    launches more kernels than padded attention: padded batches."""
+def test_the_cpu_trains_on_flattened_batches(implementation, attention_dropout, half_precision):
+    """On the CPU the flattened layout's savings in every position-wise layer outweigh attention over the whole row
+    under its block mask, whatever the attention, its dropout and the precision."""
     model = translation_model(attention_dropout=attention_dropout)
     model.config._attn_implementation = implementation
-    torch_kernel = half_precision and not attention_dropout and packing.VARLEN_SIGNATURE is not None
-    flash_attn_kernel = half_precision and packing.FLASH_ATTN_INSTALLED
-    kernel_runs = implementation.startswith("flash_attention") or torch_kernel or flash_attn_kernel
-    layout = preferred_layout(model, "cuda:0", half_precision=half_precision)
-    assert layout == ("flattened" if kernel_runs else "padded")
+    assert preferred_layout(model, "cpu", half_precision=half_precision) == "flattened"
+    assert preferred_layout(model, torch.device("cpu"), half_precision=half_precision) == "flattened"
 
 
-def test_attention_dropout_keeps_cuda_on_padded_batches():
-    """torch's variable-length kernel has no attention dropout: a model with it takes padded batches on a GPU, unless
-    flash-attn is installed (its kernel has dropout) or the model runs transformers' flash integration, which the
-    model then runs on the offsets: the collator and the model ask the same `varlen_kernel`."""
-    with mock.patch.object(packing, "FLASH_ATTN_INSTALLED", False):
-        assert preferred_layout(translation_model(attention_dropout=0.1), "cuda", half_precision=True) == "padded"
-    with mock.patch.object(packing, "FLASH_ATTN_INSTALLED", True):
-        assert preferred_layout(translation_model(attention_dropout=0.1), "cuda", half_precision=True) == "flattened"
-    flash_3 = translation_model(attention_dropout=0.1)
-    flash_3.config._attn_implementation = "flash_attention_3"
-    assert preferred_layout(flash_3, "cuda", half_precision=True) == "flattened"
+# The GPU runs users start: (attention, attention dropout, --bf16, a torch with `varlen_attn`), and the layout they
+# train on. Flattened only where a variable-length kernel runs the attention: transformers' flash integration
+# (`attn_implementation="flash_attention_2"`, which has attention dropout) or torch's `varlen_attn` (half precision,
+# no attention dropout).
+GPU_RUNS = {
+    "bf16, sdpa, torch with varlen_attn": ("sdpa", 0.0, True, True, "flattened"),
+    "bf16, eager, torch with varlen_attn": ("eager", 0.0, True, True, "flattened"),
+    "bf16, sdpa, a torch before varlen_attn": ("sdpa", 0.0, True, False, "padded"),
+    "bf16, the paper's attention dropout": ("sdpa", 0.1, True, True, "padded"),
+    "float32, sdpa": ("sdpa", 0.0, False, True, "padded"),
+    "float32, eager, dropout": ("eager", 0.1, False, True, "padded"),
+    "float32, flash_attention_2": ("flash_attention_2", 0.0, False, False, "flattened"),
+    "bf16, flash_attention_2, dropout": ("flash_attention_2", 0.1, True, False, "flattened"),
+    "bf16, flash_attention_3, dropout": ("flash_attention_3", 0.1, True, True, "flattened"),
+}
+
+
+@pytest.mark.parametrize("run", GPU_RUNS.values(), ids=GPU_RUNS.keys())
+def test_cuda_trains_flattened_only_where_a_varlen_kernel_runs(run):
+    """Elsewhere attention would run over every token of the flattened row under its block mask, where padded
+    attention runs over each sentence's row."""
+    implementation, attention_dropout, half_precision, torch_varlen, layout = run
+    model = translation_model(attention_dropout=attention_dropout)
+    model.config._attn_implementation = implementation
+    with mock.patch.object(packing, "VARLEN_SIGNATURE", "scale" if torch_varlen else None):
+        assert preferred_layout(model, "cuda:0", half_precision=half_precision) == layout
 
 
 def word_tokenizer() -> PreTrainedTokenizerFast:

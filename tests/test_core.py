@@ -1,6 +1,7 @@
 """The paper's model as a transformers plugin: config, closed forms, reference parity, decoding and HF plumbing."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -400,8 +401,19 @@ def test_resize_token_embeddings_keeps_ties():
     assert model(input_ids, attention_mask=attention_mask, decoder_input_ids=input_ids[:, :2]).logits.shape[-1] == 70
 
 
-def test_no_split_modules_name_both_layer_classes():
-    assert {"VanillaTransformerEncoderLayer", "VanillaTransformerDecoderLayer"} <= set(seq2seq()._no_split_modules)
+@pytest.mark.parametrize("cpu_share", [0.4, 0.6, 0.75, 0.9])
+def test_device_map_auto_keeps_every_layer_on_one_device(tmp_path, cpu_share):
+    """A CPU budget that ends inside some layer (in the encoder, or the decoder): transformers' device_map="auto"
+    moves the whole layer to the next device, so that no residual stream crosses devices within a layer."""
+    model = AutoModelForSeq2SeqLM.from_config(tiny_config(encoder_layers=2, decoder_layers=2))
+    model.save_pretrained(tmp_path / "model")
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    max_memory = {"cpu": int(cpu_share * size), "disk": 10 * size}
+    placed = AutoModelForSeq2SeqLM.from_pretrained(
+        tmp_path / "model", device_map="auto", max_memory=max_memory, offload_folder=tmp_path / "offload"
+    )
+    assert set(placed.hf_device_map.values()) == {"cpu", "disk"}
+    assert not [name for name in placed.hf_device_map if re.search(r"\.layers\.\d+\.", name)]
 
 
 def test_activation_checkpointing_gives_the_same_gradients():

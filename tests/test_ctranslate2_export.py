@@ -194,6 +194,25 @@ def test_unrepresentable_variant_names_the_field(field, value, causal, tokenizer
     assert not (tmp_path / "ct2").exists()
 
 
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("norm_position", "hybrid"),
+        ("norm_type", "scalenorm"),
+        ("ffn_type", "squared_relu"),
+        ("position_embedding_type", "alibi"),
+    ],
+)
+def test_a_variant_the_export_does_not_know_is_refused_by_name(field, value, tokenizer, tmp_path):
+    """A value the config gains later (written past the config's own check here) is named, not exported as another
+    variant (an unknown position type as no positions, an unknown norm as LayerNorm after the residual add)."""
+    model = random_model(causal=False)
+    vars(model.config)[field] = value
+    with pytest.raises(ValueError, match=f"{field}={value!r}: the export handles .* only"):
+        export_to_ctranslate2(model, tmp_path / "ct2", tokenizer=tokenizer)
+    assert not (tmp_path / "ct2").exists()
+
+
 def test_non_empty_output_dir_needs_force(tokenizer, tmp_path):
     model = random_model(causal=False)
     output_dir = tmp_path / "ct2"

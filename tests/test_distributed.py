@@ -2,28 +2,31 @@
 the losses equal a single-process run with the same global batch, the sharded checkpoint resumes to the same
 weights, and the consolidated `from_pretrained` folder holds exactly the trained weights. ~1 minute on 2 cores.
 
-The two ranks get the environment `accelerate launch --config_file fsdp.yaml --num_processes 2` computes for them
-(accelerate's own launcher code reads the yaml), but are started here directly, as tests/test_moe.py does: the
-launcher's torchrun agent adds nothing to test and is the part that has hung in CI.
+The two ranks get the variables `accelerate launch --config_file fsdp.yaml --num_processes 2` gives its ranks (read
+once per config from ranks that accelerate's CLI starts and that only record their environment), but the training
+ranks are started here directly, as tests/test_moe.py does: the launcher's torchrun agent adds nothing to test there
+and is the part that has hung in CI.
 
 Run: python -m pytest -q tests/test_distributed.py
 """
 
+import functools
 import json
 import os
 import shutil
+import signal
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 from accelerate.commands.config.config_args import load_config_from_file
-from accelerate.commands.launch import _validate_launch_command, launch_command_parser
 from accelerate.utils import DistributedType
-from accelerate.utils.launch import prepare_multi_gpu_env
 from conftest import tiny_config
 from deepspeed.runtime.config import DeepSpeedConfig
-from ranks import run_ranks
+from ranks import INHERITED, free_port, run_ranks
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from transformers import Seq2SeqTrainingArguments
@@ -55,11 +58,41 @@ FOUR_STEPS = ["--max_steps", "4", "--save_steps", "2"]
 GLOBAL_BATCH = 16
 
 
+# A rank that records its environment as rank<RANK>.json in the folder given.
+RECORD_ENVIRONMENT = """import json, os, pathlib, sys
+pathlib.Path(sys.argv[1], f"rank{os.environ['RANK']}.json").write_text(json.dumps(dict(os.environ)))
+"""
+# What accelerate's config gives a rank: its own variables (the rest, a rank's place in the job, run_ranks sets).
+CONFIG_VARIABLES = ("ACCELERATE_", "FSDP_")
+
+
+@functools.cache
 def launch_environment(config_file: Path, num_processes: int) -> dict[str, str]:
-    """The variables `accelerate launch --config_file config_file --num_processes n` sets for its ranks."""
-    argv = ["--config_file", str(config_file), "--num_processes", str(num_processes), "--mixed_precision", "no"]
-    args, _, _ = _validate_launch_command(launch_command_parser().parse_args([*argv, str(SCRIPT)]))
-    return {key: value for key, value in prepare_multi_gpu_env(args).items() if os.environ.get(key) != value}
+    """The variables of accelerate's config that `accelerate launch --config_file config_file --num_processes n`
+    gives its ranks, read from the first rank of a launch through accelerate's CLI."""
+    with tempfile.TemporaryDirectory() as folder:
+        script = Path(folder, "record_environment.py")
+        script.write_text(RECORD_ENVIRONMENT)
+        launch = ["launch", "--config_file", str(config_file), "--num_processes", str(num_processes)]
+        launch += ["--mixed_precision", "no", "--main_process_port", str(free_port()), str(script), folder]
+        clean = {key: value for key, value in os.environ.items() if not key.startswith(INHERITED)}
+        launcher = subprocess.Popen(
+            [sys.executable, "-m", "accelerate.commands.accelerate_cli", *launch],
+            env=clean,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,  # its own process group: a hung launcher is ended with its ranks
+        )
+        try:
+            output, _ = launcher.communicate(timeout=RANK_TIMEOUT_S)
+        finally:
+            if launcher.poll() is None:
+                os.killpg(launcher.pid, signal.SIGKILL)
+                launcher.wait()
+        assert launcher.returncode == 0, output[-4000:]
+        environment = json.loads(Path(folder, "rank0.json").read_text())
+    return {key: value for key, value in environment.items() if key.startswith(CONFIG_VARIABLES)}
 
 
 def run_fsdp_ranks(argv: list[str], log_dir: Path, num_processes: int = 2, config: Path = FSDP_CONFIG) -> None:

@@ -55,7 +55,6 @@ def test_quick_run_measures_every_section(tmp_path):
     assert set(trainer["sampling"]) == {"random", "group_by_length"}
     for row in trainer["sampling"].values():
         assert row["ours"]["optimizer"] == row["marian"]["optimizer"] == "adamw_torch_fused"
-        assert row["ours"]["ms_per_step"] > 0 and row["marian"]["ms_per_step"] > 0
         # The same batches from the same weights: the Trainer's losses agree (dropout differs between the models).
         assert abs(row["ours"]["train_loss"] - row["marian"]["train_loss"]) < 0.1
 
@@ -63,14 +62,11 @@ def test_quick_run_measures_every_section(tmp_path):
     assert set(step["candidates"]) == {"ours_flattened", "ours_padded", "ours_rows", "marian"}
     assert step["check"]["ours_layout_abs_diff"] < 1e-4  # flattened against padded
     assert step["check"]["ours_rows_loss_abs_diff"] < 1e-4 and step["check"]["ours_gradient_relative_difference"] < 1e-2
-    assert all(seconds > 0 for seconds in step["collator_cpu_seconds_per_batch"].values())
     assert 0 < step["padding_fraction"] < 1
 
-    assert all(seconds > 0 for seconds in results["full_rows_compiled"]["compile_seconds"].values())
     assert results["decoding"]["static_compiled"] and results["decoding"]["static_same_tokens_as_eager"]
     implementations = results["moe"]["implementations"]
     assert {"sorted_grouped_mm", "grouped_mm", "eager", "batched_mm"} <= set(implementations)
-    assert results["multi30k_recipe"]["steps_per_s"] > 0
     assert len(results["targets"]) == 6
 
 

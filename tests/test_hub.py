@@ -261,6 +261,16 @@ def test_card_rejects_what_it_cannot_describe():
     assert "warm-up" in card.text and "4 experts, top-2" in card.text
 
 
+@pytest.mark.parametrize("field, value", [("position_embedding_type", "alibi"), ("classifier_pooling", "max")])
+def test_card_names_a_variant_it_has_no_text_for(field, value):
+    """A value the config gains later (written past the config's own check here) is named, not described as another
+    one or left out."""
+    config = tiny_config(architectures=["VanillaTransformerForImageClassification"], image_size=8, patch_size=4)
+    vars(config)[field] = value
+    with pytest.raises(ValueError, match=re.escape(f"cannot describe {field}={value!r}")):
+        build_model_card(config)
+
+
 # ---- offline pull -----------------------------------------------------------------------------------------------
 
 

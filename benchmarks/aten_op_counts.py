@@ -31,6 +31,7 @@ from hf_vanilla_transformer import (
     VanillaTransformerConfig,
     VanillaTransformerForConditionalGeneration,
 )
+from hf_vanilla_transformer import modeling_vanilla_transformer as modeling
 from hf_vanilla_transformer import packing_vanilla_transformer as packing
 
 IGNORE_INDEX = -100
@@ -164,8 +165,10 @@ def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale, w
 @contextlib.contextmanager
 def varlen_kernel_stand_in():
     """The package's packed attention runs torch's variable-length kernel, the stand-in, whatever the device."""
+    always_torch = lambda implementation, device, dtype, dropout=0.0: "torch"  # noqa: E731
     with (
-        mock.patch.object(packing, "varlen_kernel", lambda implementation, device, dtype, dropout=0.0: "torch"),
+        mock.patch.object(packing, "varlen_kernel", always_torch),  # the collator's choice
+        mock.patch.object(modeling, "varlen_kernel", always_torch),  # each stack's
         mock.patch.object(packing, "VARLEN_SIGNATURE", "scale"),
         mock.patch.object(packing, "varlen_attn", varlen_attn),
     ):

@@ -131,11 +131,14 @@ def check_attention_mask(
         )
 
 
-def check_offsets(cu_seq_lens: Any, max_length: Any, shape: tuple[int, int], side: str) -> None:
+def check_offsets(
+    cu_seq_lens: Any, max_length: Any, shape: tuple[int, int], side: str, check_values: bool = True
+) -> None:
     """The offsets of one side of a flattened batch. Offsets that would attend across sequences or index past the
     tokens are refused: int32 (what the kernels take), 1-D, from 0, not decreasing, ending at the token count,
     `max_length` at least the longest sequence, and in a (rows, row_length) `shape` of several rows, no sequence
-    across two rows. Values are checked without a host sync (`require`)."""
+    across two rows. Values are checked without a host sync (`require`), unless `check_values` is False (the source's
+    offsets in a decoder: the encoder checked them)."""
     name, length_name = f"cu_seq_lens_{side}", f"max_length_{side}"
     if cu_seq_lens is None:
         raise ValueError(
@@ -152,7 +155,7 @@ def check_offsets(cu_seq_lens: Any, max_length: Any, shape: tuple[int, int], sid
         max_length = int(max_length)  # a collator's 0-dim tensor: on the CPU, so no sync
     if not isinstance(max_length, int | torch.SymInt) or isinstance(max_length, bool):
         raise ValueError(f"{name} needs {length_name}, the longest sequence's length as an int, got {max_length!r}.")
-    if is_torchdynamo_compiling():  # `require` checks nothing in a graph: neither build its conditions nor message
+    if not check_values or is_torchdynamo_compiling():  # `require` checks nothing in a graph: build nothing for it
         return
     # One check, one device-side assert: each condition is a kernel launch on an accelerator.
     rows, row_length = shape
@@ -229,11 +232,12 @@ def check_stack_inputs(
     queries, keys = (offsets.get(f"cu_seq_lens_{side}") if offsets else None for side in ("q", "k"))
     if queries is None and keys is None:
         return
-    # A flattened batch: the stack's own offsets ("q") against its tokens; the "k" side against the source's under
-    # an encoder, else the same sequences (the encoder's, and transformers' collator's, are the same tensor).
+    # A flattened batch: the stack's own offsets ("q") against its tokens; the "k" side under an encoder against the
+    # source (its values the encoder checked, as its own), else the same sequences (the encoder's, and transformers'
+    # collator's, are the same tensor).
     check_offsets(queries, offsets.get("max_length_q"), (batch_size, length), offsets_side)
     if encoder_hidden_states is not None or keys is not None and keys is not queries:
-        check_offsets(keys, offsets.get("max_length_k"), source_shape, "k")
+        check_offsets(keys, offsets.get("max_length_k"), source_shape, "k", encoder_hidden_states is None)
     if encoder_hidden_states is not None and queries.shape[0] != keys.shape[0]:
         raise ValueError(
             f"cu_seq_lens_q has {queries.shape[0] - 1} sequences and cu_seq_lens_k {keys.shape[0] - 1}: "

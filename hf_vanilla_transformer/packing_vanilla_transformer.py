@@ -93,7 +93,7 @@ def block_attention_masks(
     if causal:
         visible["q"] = visible["q"].tril()
     masks = {
-        side: torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill_(~seen, torch.finfo(dtype).min)
+        side: torch.full(seen.shape, torch.finfo(dtype).min, dtype=dtype, device=seen.device).masked_fill_(seen, 0.0)
         for side, seen in visible.items()
     }
     return masks["q"][:, None], masks["k"][:, None] if "k" in masks else None

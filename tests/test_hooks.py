@@ -184,7 +184,7 @@ def renamed(name):
         setattr(PreTrainedModel, name, lambda self, *args, **kwargs: original(self, *args, **kwargs))
 
 CHANGED = ["mark_tied_weights_as_initialized", "gather_sharded_state_dict_for_save", "maybe_distribute_model",
-           "_from_config", "get_expanded_tied_weights_keys", "get_correct_experts_implementation"]
+           "_from_config", "get_expanded_tied_weights_keys"]
 for name in CHANGED:
     renamed(name)
 del pipeline.PipelineIdentityLayer
@@ -244,7 +244,7 @@ def run_python(code: str) -> subprocess.CompletedProcess:
 def changed_release() -> dict:
     keys = ["PreTrainedModel." + name for name in ("mark_tied_weights_as_initialized",
             "gather_sharded_state_dict_for_save", "maybe_distribute_model", "_from_config",
-            "get_expanded_tied_weights_keys", "get_correct_experts_implementation")]  # fmt: skip
+            "get_expanded_tied_weights_keys")]  # fmt: skip
     keys += [compat.PIPELINE_IDENTITY_LAYER, "torch._assert_async"]
     code = SIMULATED_RELEASE + f"HOOKS_KEYS = {keys!r}\n" + FALLBACKS
     finished = run_python(code)

@@ -27,12 +27,6 @@ PARAMETER_RENAMES = [
 
 def _check_convertible(config) -> None:
     """Llama options our model has no equivalent for raise instead of converting to a different function."""
-    rope_type = config.rope_parameters.get("rope_type", "default")
-    if rope_type != "default":
-        raise ValueError(
-            f"rope_parameters['rope_type']={rope_type!r} is not supported: the vanilla transformer implements plain "
-            "RoPE (rope_type='default') only."
-        )
     if config.hidden_act not in GATED_FFN_FOR_ACTIVATION:
         raise ValueError(f"hidden_act={config.hidden_act!r} is not one of {sorted(GATED_FFN_FOR_ACTIVATION)}.")
     if config.head_dim * config.num_attention_heads != config.hidden_size:
@@ -70,7 +64,7 @@ def llama_config_to_vanilla_transformer(config) -> VanillaTransformerConfig:
         ffn_type=GATED_FFN_FOR_ACTIVATION[config.hidden_act],
         use_bias=config.attention_bias,
         position_embedding_type="rope",
-        rope_theta=config.rope_parameters["rope_theta"],
+        rope_parameters=config.rope_parameters,
         scale_embedding=False,  # Llama does not multiply embeddings by sqrt(d_model)
         tie_word_embeddings=config.tie_word_embeddings,
         is_encoder_decoder=False,

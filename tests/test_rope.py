@@ -25,6 +25,7 @@ from hf_vanilla_transformer import (
     VanillaTransformerForConditionalGeneration,
     convert_llama_to_vanilla_transformer,
 )
+from hf_vanilla_transformer.ctranslate2_vanilla_transformer import check_exportable
 from hf_vanilla_transformer.modeling_vanilla_transformer import RotaryEmbedding
 
 # A tiny RoPE causal LM saved by this package before it read `rope_parameters` (commit 0a81db0): its config.json has
@@ -156,3 +157,11 @@ def test_a_rotation_of_part_of_each_head_is_refused_when_the_model_is_built() ->
     config = tiny_config(position_embedding_type="rope", rope_parameters=rope_parameters)
     with pytest.raises(ValueError, match="partial_rotary_factor"):
         VanillaTransformerForConditionalGeneration(config)
+
+
+def test_the_ctranslate2_export_refuses_scaled_rope() -> None:
+    """CTranslate2 gets plain RoPE's base only: a scaled type would export another function."""
+    check_exportable(tiny_config(position_embedding_type="rope", rope_theta=500.0))
+    scaled = tiny_config(position_embedding_type="rope", rope_parameters={"rope_type": "linear", "factor": 2})
+    with pytest.raises(ValueError, match="rope_parameters"):
+        check_exportable(scaled)

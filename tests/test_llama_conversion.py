@@ -176,6 +176,19 @@ def test_every_rope_type_generates_the_same_tokens_and_scores_past_the_original_
     torch.testing.assert_close(torch.stack(actual.logits), torch.stack(expected.logits), atol=1e-5, rtol=0)
 
 
+def test_a_bfloat16_llama_converts_with_rope_frequencies_in_float32(tmp_path) -> None:
+    """transformers keeps RoPE's frequencies in float32 in a bfloat16 model, and so does the converted one: rounded to
+    bfloat16, they would turn the angles at position 4000 by radians."""
+    tiny_llama(**rope_case("llama3")).save_pretrained(tmp_path)
+    llama = LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    converted = convert_llama_to_vanilla_transformer(llama)
+    assert converted.dtype == torch.bfloat16
+    positions = torch.arange(4000)[None]
+    expected = llama.model.rotary_emb(torch.zeros(1, dtype=torch.bfloat16), positions)
+    actual = converted.model.embed_positions(torch.zeros(1, 4000, 32, dtype=torch.bfloat16), positions)[1]
+    assert all(torch.equal(ours, theirs) for ours, theirs in zip(actual, expected, strict=True))
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [

@@ -32,6 +32,7 @@ from hf_vanilla_transformer.modeling_vanilla_transformer import RotaryEmbedding
 # a top-level "rope_theta": 321.0; expected.json holds its input ids and the logits that code computed.
 SAVED_WITH_ROPE_THETA = Path(__file__).parent / "fixtures" / "causal-lm-rope-saved-with-rope-theta"
 
+
 def rope_model(**overrides) -> VanillaTransformerForCausalLM:
     torch.manual_seed(0)
     config = tiny_config(position_embedding_type="rope", is_encoder_decoder=False, is_decoder=True, **overrides)

@@ -236,7 +236,7 @@ class RotaryEmbedding(nn.Module):
         freqs = position_ids[..., None].float() * self.inv_freq.float()
         angles = torch.cat((freqs, freqs), dim=-1)
         cos, sin = angles.cos(), angles.sin()
-        if self.attention_scaling != 1.0:  # a Python float: skipping the two products costs no sync
+        if self.attention_scaling != 1.0:  # YaRN, LongRoPE; a Python float, so plain RoPE skips two kernels for free
             cos, sin = cos * self.attention_scaling, sin * self.attention_scaling
         return cos.to(x.dtype), sin.to(x.dtype)
 

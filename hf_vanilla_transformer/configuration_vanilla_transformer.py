@@ -12,6 +12,7 @@ from typing import Any, Literal, get_args
 import torch
 from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, RopeParameters
 from transformers.utils.type_validators import interval, positive_int_field
 
 from .moe_kernels_vanilla_transformer import SORTED_GROUPED_MM
@@ -120,7 +121,9 @@ class VanillaTransformerConfig(PreTrainedConfig):
         max_position_embeddings (`int`, *optional*, defaults to `1024`):
             Rows of the learned position table (`position_embedding_type="learned"`): the longest input such a model
             reads; a position past it fails (a ValueError on the CPU, a device-side assert on an accelerator). An int
-            >= 1. The other position types have no limit and ignore it.
+            >= 1. For RoPE, the context the model was trained on, as in Llama: where `"dynamic"` scaling starts, and
+            the default `original_max_position_embeddings` of the other scaled types; RoPE itself has no limit. The
+            other position types ignore it.
         dropout (`float`, *optional*, defaults to `0.1`):
             Residual dropout (P_drop, §5.4): on each sub-layer's output before the residual sum, and on the
             embeddings with their positions. A probability in [0, 1).
@@ -164,9 +167,15 @@ class VanillaTransformerConfig(PreTrainedConfig):
         sinusoidal_layout (`str`, *optional*, defaults to `"interleaved"`):
             The order of a sinusoidal encoding's dimensions: `"interleaved"` sin, cos, sin, cos, ... (§3.5), or
             `"concatenated"` all sines then all cosines (Marian, tensor2tensor). Sinusoidal positions only.
-        rope_theta (`float`, *optional*, defaults to `10000.0`):
-            The base of the rotary wavelengths 2pi theta^(2i/d). Finite and >= 1 (below 1 the wavelengths would
-            shrink with i). RoPE only.
+        rope_parameters (`dict`, *optional*, defaults to `None`):
+            RoPE's settings, as transformers' Llama reads them: `rope_type`, `"default"` (Su et al. 2021) or one of
+            transformers' `ROPE_INIT_FUNCTIONS` (`"linear"`, `"dynamic"`, `"yarn"`, `"longrope"`, `"llama3"`, ...),
+            with that type's keys (`factor`, `original_max_position_embeddings`, `low_freq_factor`, ...; a missing
+            one is an error naming it), and `rope_theta`, the base of the rotary wavelengths 2pi theta^(2i/d),
+            finite and >= 1 (below 1 the wavelengths would shrink with i). None: plain RoPE with theta 10000. A
+            top-level `rope_theta` (configs saved by earlier versions, or a keyword) goes into the dict. RoPE only;
+            the whole head rotates (a `partial_rotary_factor` that leaves part of it unrotated is refused when the
+            model is built).
         scale_embedding (`bool`, *optional*, defaults to `True`):
             Multiply the token embeddings by sqrt(d_model) (§3.4).
         share_encoder_decoder_embeddings (`bool`, *optional*, defaults to `True`):
@@ -342,8 +351,8 @@ class VanillaTransformerConfig(PreTrainedConfig):
     lm_head_bias: bool = False  # a bias on the pre-softmax projection (Marian's `final_logits_bias`)
     position_embedding_type: PositionEmbeddingType = "sinusoidal"
     sinusoidal_layout: SinusoidalLayout = "interleaved"  # paper §3.5 interleaves sin/cos; Marian concatenates
-    # The base of the rotary wavelengths 2pi theta^(2i/d): below 1 they would shrink with i.
-    rope_theta: float | int = interval(min=1.0, max=math.inf, exclude_max=True)(default=10000.0)
+    # RoPE as transformers' Llama takes it: the base class folds a top-level `rope_theta` in and fills the defaults.
+    rope_parameters: RopeParameters | dict | None = None
     scale_embedding: bool = True  # multiply token embeddings by sqrt(d_model) (§3.4)
     share_encoder_decoder_embeddings: bool = True  # one source/target embedding (§3.4)
     tie_word_embeddings: bool = True  # pre-softmax projection = target embedding (§3.4)
@@ -400,6 +409,9 @@ class VanillaTransformerConfig(PreTrainedConfig):
         # it makes the grouped matmuls of transformers' default, "grouped_mm", with fewer passes over the rows around
         # them, and takes the expert sizes torch's grouped_mm kernel refuses.
         kwargs.setdefault("experts_implementation", SORTED_GROUPED_MM)
+        # The base class fills in `rope_parameters` in place: a copy leaves the caller's dict (another model's config,
+        # in the converters) as it was.
+        self.rope_parameters = copy.deepcopy(self.rope_parameters)
         super().__post_init__(**kwargs)
         # Attention weights need the eager implementation: asking for them picks it unless another was chosen, as
         # transformers' own `output_attentions` setter does (the base class bypasses that setter here).
@@ -408,7 +420,7 @@ class VanillaTransformerConfig(PreTrainedConfig):
 
     @classmethod
     def from_dict(cls, config_dict: dict[str, Any], **kwargs) -> Any:
-        loaded = super().from_dict(config_dict, **kwargs)
+        loaded = super().from_dict(with_rope_overrides(config_dict, kwargs), **kwargs)
         config = loaded[0] if isinstance(loaded, tuple) else loaded  # `(config, unused_kwargs)` when asked for
         config.validate()  # `from_pretrained(..., field=value)` sets its overrides after construction
         return loaded
@@ -432,6 +444,24 @@ class VanillaTransformerConfig(PreTrainedConfig):
         return cls(**{**fields, **overrides})
 
     # ------------------------------------------------------------------ rules between fields
+
+    def validate_rope(self) -> None:
+        """transformers' check of `rope_parameters` (the keys each type requires), its missing keys raised as a
+        ValueError, and what it only warns about and the model could not run: a type outside transformers' table, a
+        theta or factor that is not a finite number, a theta below 1, a factor <= 0."""
+        rope_parameters = self.rope_parameters
+        rope_type = rope_parameters.get("rope_type") if isinstance(rope_parameters, dict) else None
+        if rope_type not in rope_types():
+            raise ValueError(f"rope_parameters={rope_parameters!r} needs a 'rope_type' in {rope_types()}.")
+        try:
+            super().validate_rope()
+        except KeyError as error:  # "Missing required keys in `rope_parameters` for 'rope_type'=...: {...}"
+            raise ValueError(error.args[0]) from None
+        theta, factor = rope_parameters.get("rope_theta"), rope_parameters.get("factor", 1.0)
+        if not (is_real(theta) and 1 <= theta < math.inf):
+            raise ValueError(f"rope_parameters['rope_theta']={theta!r} must be a finite number >= 1.")
+        if not (is_real(factor) and 0 < factor < math.inf):
+            raise ValueError(f"rope_parameters['factor']={factor!r} ({rope_type}) must be a finite number > 0.")
 
     def validate_architecture(self) -> None:
         """The rules between fields: the head sizes of the stacks the model runs (the other stack's sizes are unused),
@@ -525,6 +555,13 @@ class VanillaTransformerConfig(PreTrainedConfig):
         config.validate()
         return config
 
+    def rotary_config(self, head_dim: int) -> "VanillaTransformerConfig":
+        """A copy for transformers' RoPE functions (`ROPE_INIT_FUNCTIONS`, `dynamic_rope_update`), which read the
+        head size from `head_dim`: the size of one stack's heads (encoder and decoder may have different counts)."""
+        config = copy.deepcopy(self)
+        config.head_dim = head_dim
+        return config
+
     # ------------------------------------------------------------------ sizes the layers derive
 
     def gated_hidden_size(self, ffn_dim: int) -> int:
@@ -538,6 +575,34 @@ class VanillaTransformerConfig(PreTrainedConfig):
         """Whether layer `layer_idx` of `stack` carries a Mixture-of-Experts FFN."""
         in_stack = self.moe_stacks in (stack, "both")
         return self.num_experts > 0 and in_stack and (layer_idx + 1) % self.moe_layer_frequency == 0
+
+
+def rope_types() -> tuple[str, ...]:
+    """The RoPE types a model can run: plain RoPE and every entry of transformers' table (which users may extend)."""
+    return ("default", *ROPE_INIT_FUNCTIONS)
+
+
+def with_rope_overrides(config_dict: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """`config_dict` with `from_pretrained`'s RoPE keywords moved out of `overrides` into its `rope_parameters`,
+    where the base class fills in their defaults at construction (set after it, as other overrides are, a
+    `rope_parameters` would miss them and a `rope_theta` would be dropped: no field has that name). A new
+    `rope_parameters` keeps the saved theta unless it gives one; a `rope_theta` keyword wins over both."""
+    if "rope_parameters" not in overrides and "rope_theta" not in overrides:
+        return config_dict
+    saved = config_dict.get("rope_parameters") or {}
+    rope_parameters = copy.deepcopy(overrides.pop("rope_parameters", saved)) or {}
+    if not isinstance(rope_parameters, dict):  # the field's type check names it
+        return {**config_dict, "rope_parameters": rope_parameters}
+    saved_theta = saved.get("rope_theta", config_dict.get("rope_theta"))
+    if "rope_theta" in overrides:
+        rope_parameters["rope_theta"] = overrides.pop("rope_theta")
+    elif saved_theta is not None:
+        rope_parameters.setdefault("rope_theta", saved_theta)
+    return {**config_dict, "rope_parameters": rope_parameters}
+
+
+def is_real(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def check_dtype(name: str, value: Any) -> None:

@@ -3,11 +3,12 @@
 Llama is the paper's decoder with four variants switched on, each one config field here: pre-norm
 (`norm_position="pre"`, Xiong et al. 2020), RMSNorm (Zhang & Sennrich 2019), a gated FFN (SwiGLU, Shazeer 2020) and
 rotary positions (Su et al. 2021), plus grouped K/V heads (Ainslie et al. 2023). The weights map one to one; only
-names change.
+names change. `rope_parameters` carry over as they are: every RoPE type of transformers' table runs here.
 """
 
 import torch
-from transformers import LlamaForCausalLM
+from torch import nn
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 from .configuration_vanilla_transformer import VanillaTransformerConfig
 from .conversion_vanilla_transformer import renamed_state_dict
@@ -27,12 +28,6 @@ PARAMETER_RENAMES = [
 
 def _check_convertible(config) -> None:
     """Llama options our model has no equivalent for raise instead of converting to a different function."""
-    rope_type = config.rope_parameters.get("rope_type", "default")
-    if rope_type != "default":
-        raise ValueError(
-            f"rope_parameters['rope_type']={rope_type!r} is not supported: the vanilla transformer implements plain "
-            "RoPE (rope_type='default') only."
-        )
     if config.hidden_act not in GATED_FFN_FOR_ACTIVATION:
         raise ValueError(f"hidden_act={config.hidden_act!r} is not one of {sorted(GATED_FFN_FOR_ACTIVATION)}.")
     if config.head_dim * config.num_attention_heads != config.hidden_size:
@@ -70,7 +65,7 @@ def llama_config_to_vanilla_transformer(config) -> VanillaTransformerConfig:
         ffn_type=GATED_FFN_FOR_ACTIVATION[config.hidden_act],
         use_bias=config.attention_bias,
         position_embedding_type="rope",
-        rope_theta=config.rope_parameters["rope_theta"],
+        rope_parameters=config.rope_parameters,
         scale_embedding=False,  # Llama does not multiply embeddings by sqrt(d_model)
         tie_word_embeddings=config.tie_word_embeddings,
         is_encoder_decoder=False,
@@ -85,17 +80,25 @@ def llama_config_to_vanilla_transformer(config) -> VanillaTransformerConfig:
 @torch.no_grad()
 def convert_llama_to_vanilla_transformer(model: LlamaForCausalLM) -> VanillaTransformerForCausalLM:
     """A `VanillaTransformerForCausalLM` with `model`'s weights, in its dtype and on its device, that computes the same
-    logits: pre-norm RMSNorm decoder, SwiGLU FFN of Llama's `intermediate_size`, RoPE with Llama's `rope_theta`,
-    grouped K/V heads, unscaled embeddings, and an LM head tied only if Llama ties it.
+    logits: pre-norm RMSNorm decoder, SwiGLU FFN of Llama's `intermediate_size`, RoPE with Llama's `rope_parameters`
+    (any type of transformers', Llama 3's included), grouped K/V heads, unscaled embeddings, and an LM head tied only
+    if Llama ties it.
 
     Raises:
-        ValueError: for Llama options without an equivalent here (RoPE scaling types, a head size other than
-            hidden_size / num_attention_heads, differing attention and MLP bias switches, other activations).
+        ValueError: for Llama options without an equivalent here (a head size other than hidden_size /
+            num_attention_heads, a `partial_rotary_factor` that leaves part of each head unrotated, differing
+            attention and MLP bias switches, other activations).
     """
-    config = llama_config_to_vanilla_transformer(model.config)
-    converted = VanillaTransformerForCausalLM(config).to(device=model.device, dtype=model.dtype)
+    converted = causal_lm_like(model, llama_config_to_vanilla_transformer(model.config))
     converted.load_state_dict(renamed_state_dict(model.state_dict(), PARAMETER_RENAMES), strict=True)
     return converted.train(model.training)
+
+
+def causal_lm_like(model: nn.Module, config: VanillaTransformerConfig) -> VanillaTransformerForCausalLM:
+    """A causal LM of `config` in `model`'s dtype and on its device, built as `from_pretrained` builds it: parameters
+    in that dtype, RoPE's frequencies in float32 as transformers' models keep them (casting the built model to
+    bfloat16 would round them, and the angles at long positions with them)."""
+    return AutoModelForCausalLM.from_config(config, dtype=model.dtype).to(model.device)
 
 
 __all__ = ["convert_llama_to_vanilla_transformer", "llama_config_to_vanilla_transformer"]

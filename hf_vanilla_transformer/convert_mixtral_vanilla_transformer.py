@@ -10,7 +10,7 @@ from transformers import LlamaConfig, MixtralForCausalLM
 
 from .configuration_vanilla_transformer import VanillaTransformerConfig
 from .conversion_vanilla_transformer import renamed_state_dict
-from .convert_llama_vanilla_transformer import PARAMETER_RENAMES, llama_config_to_vanilla_transformer
+from .convert_llama_vanilla_transformer import PARAMETER_RENAMES, causal_lm_like, llama_config_to_vanilla_transformer
 from .language_modeling_vanilla_transformer import VanillaTransformerForCausalLM
 
 
@@ -68,8 +68,7 @@ def convert_mixtral_to_vanilla_transformer(model: MixtralForCausalLM) -> Vanilla
     Mixtral's also perturbs the experts' input, and the balancing loss is averaged over layers (Switch) where Mixtral
     pools its statistics over all layers.
     """
-    config = mixtral_config_to_vanilla_transformer(model.config)
-    converted = VanillaTransformerForCausalLM(config).to(device=model.device, dtype=model.dtype)
+    converted = causal_lm_like(model, mixtral_config_to_vanilla_transformer(model.config))
     converted.load_state_dict(renamed_state_dict(model.state_dict(), PARAMETER_RENAMES), strict=True)
     return converted.train(model.training)
 

@@ -10,7 +10,8 @@ the same function:
 - positions: CTranslate2's built-in sinusoid is tensor2tensor's (timescales 10000^(i / (d/2 - 1))), neither of our
   layouts, so additive positions (sinusoidal of either layout, learned, none = zeros) are stored as a table of
   `max_position_embeddings` rows computed by our own code (CTranslate2 refuses longer inputs and outputs with a clear
-  error); RoPE is CTranslate2's non-interleaved rotary over the whole head with base `rope_theta`;
+  error); RoPE is CTranslate2's non-interleaved rotary over the whole head with base `rope_parameters['rope_theta']`
+  (plain RoPE only);
 
 Variants CTranslate2 cannot compute exactly raise a `ValueError` naming the config field (`unsupported_fields`).
 
@@ -118,6 +119,8 @@ def unsupported_fields(config: VanillaTransformerConfig) -> dict[str, str]:
         value = getattr(config, field)
         if value not in table:
             reasons[field] = UNREPRESENTABLE.get((field, value), f"the export handles {list(table)} only")
+    if config.position_embedding_type == "rope" and config.rope_parameters["rope_type"] != "default":
+        reasons["rope_parameters"] = "the export writes plain RoPE (rope_type 'default') only"
     return reasons
 
 
@@ -259,7 +262,7 @@ def stack_options(config: VanillaTransformerConfig, num_heads: int) -> dict[str,
         num_heads_kv=kv_heads if kv_heads != num_heads else None,
     )
     if exported(config, "position_embedding_type") is None:  # RoPE: rotate-half (GPT-NeoX/Llama), the whole head
-        options.update(rotary_dim=0, rotary_interleave=False, rotary_base=config.rope_theta)
+        options.update(rotary_dim=0, rotary_interleave=False, rotary_base=config.rope_parameters["rope_theta"])
     return options
 
 

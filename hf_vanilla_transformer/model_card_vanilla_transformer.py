@@ -70,9 +70,11 @@ def paper(value: Any, paper_value: Any) -> str:
 
 
 def positions_description(config: PreTrainedConfig) -> str:
+    rope = config.rope_parameters
+    scaling = "" if rope["rope_type"] == "default" else f", {rope['rope_type']} scaling"
     details = {
         "sinusoidal": f", {config.sinusoidal_layout} sin/cos",
-        "rope": f", theta = {config.rope_theta:g}",
+        "rope": f", theta = {rope['rope_theta']:g}{scaling}",
         "learned": f", at most {config.max_position_embeddings} positions",
         "none": "",
     }

@@ -34,6 +34,7 @@ from transformers.modeling_outputs import (
     Seq2SeqModelOutput,
     Seq2SeqMoEModelOutput,
 )
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple
@@ -176,12 +177,42 @@ class LearnedPositionalEmbedding(nn.Embedding):
 
 
 class RotaryEmbedding(nn.Module):
-    """RoPE (Su et al. 2021) in the rotate-half layout of GPT-NeoX/Llama: a `(cos, sin)` table per position."""
+    """RoPE (Su et al. 2021) in the rotate-half layout of GPT-NeoX/Llama: a `(cos, sin)` table per position.
+
+    The frequencies follow `config.rope_parameters` as in transformers' Llama: plain RoPE, or a scaled type from
+    transformers' table (`ROPE_INIT_FUNCTIONS`), computed once into `inv_freq` (not saved: `_init_weights` recomputes
+    it) with the `attention_scaling` that multiplies cos and sin (YaRN, LongRoPE). transformers' `dynamic_rope_update`
+    recomputes them for the two types that depend on the longest position: "dynamic" past `max_position_embeddings`
+    (it reads that position on the host, as Llama does) and "longrope" past its original context.
+    """
 
     def __init__(self, config: VanillaTransformerConfig, head_dim: int):
         super().__init__()
-        self.head_dim = head_dim
-        self.theta = config.rope_theta
+        self.config = config.rotary_config(head_dim)  # read by the RoPE functions and `dynamic_rope_update`
+        self.rope_type = config.rope_parameters["rope_type"]
+        self.max_seq_len_cached = self.original_max_seq_len = config.max_position_embeddings  # the trained context
+        inv_freq, self.attention_scaling = self.compute_inv_freq()
+        if inv_freq.shape[-1] != head_dim // 2:
+            raise ValueError(
+                f"rope_parameters={config.rope_parameters!r} rotate {2 * inv_freq.shape[-1]} of the {head_dim} "
+                "dimensions of a head (partial_rotary_factor); the attention here rotates whole heads."
+            )
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("original_inv_freq", inv_freq.clone(), persistent=False)
+
+    @staticmethod
+    def compute_default_rope_parameters(config: VanillaTransformerConfig, device=None, **kwargs):
+        """Plain RoPE's inverse frequencies theta^(-2i/d), and cos and sin unscaled. Written as this package always
+        computed them, so that its RoPE checkpoints keep their logits to the bit (Llama's 1 / theta^(2i/d) differs
+        from it in the last bit of some frequencies)."""
+        dim, theta = config.head_dim, config.rope_parameters["rope_theta"]
+        return theta ** -(torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim), 1.0
+
+    def compute_inv_freq(self) -> tuple[torch.Tensor, float]:
+        """(inv_freq, attention_scaling) of the configured type at the trained context."""
+        if self.rope_type == "default":
+            return self.compute_default_rope_parameters(self.config)
+        return ROPE_INIT_FUNCTIONS[self.rope_type](self.config)
 
     def forward(
         self,
@@ -191,12 +222,18 @@ class RotaryEmbedding(nn.Module):
         positions_below: int | None = None,
     ) -> PositionOutput:
         position_ids = default_positions(inputs_embeds, past_length) if position_ids is None else position_ids
-        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=position_ids.device) / self.head_dim
-        freqs = position_ids.to(torch.float32)[..., None] * self.theta**-exponents
+        if position_ids.dim() == 1:  # shared positions -> broadcast over the batch
+            position_ids = position_ids[None]
+        return inputs_embeds, self.cos_sin(inputs_embeds, position_ids)
+
+    @dynamic_rope_update  # a no-op for the types whose frequencies do not depend on the positions
+    def cos_sin(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = position_ids[..., None].float() * self.inv_freq.float()
         angles = torch.cat((freqs, freqs), dim=-1)
-        if angles.dim() == 2:  # shared positions -> broadcast over the batch
-            angles = angles[None]
-        return inputs_embeds, (angles.cos().to(inputs_embeds.dtype), angles.sin().to(inputs_embeds.dtype))
+        cos, sin = angles.cos(), angles.sin()
+        if self.attention_scaling != 1.0:  # YaRN, LongRoPE; a Python float, so plain RoPE skips two kernels for free
+            cos, sin = cos * self.attention_scaling, sin * self.attention_scaling
+        return cos.to(x.dtype), sin.to(x.dtype)
 
 
 class NoPositionalEmbedding(nn.Module):
@@ -863,6 +900,10 @@ class VanillaTransformerPreTrainedModel(LoadSaveShardMixin, PreTrainedModel):
                 init.zeros_(module.weight[module.padding_idx])
         elif isinstance(module, SinusoidalPositionalEmbedding):  # a buffer, not saved
             init.copy_(module.table, module.encoding(torch.arange(len(module.table))))
+        elif isinstance(module, RotaryEmbedding):  # buffers, not saved
+            inv_freq = module.compute_inv_freq()[0]
+            init.copy_(module.inv_freq, inv_freq)
+            init.copy_(module.original_inv_freq, inv_freq)
         elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
             init.ones_(module.weight)
             if getattr(module, "bias", None) is not None:

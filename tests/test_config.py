@@ -100,7 +100,8 @@ def valid_fields(draw) -> dict[str, Any]:
         lm_head_bias=draw(st.booleans()),
         position_embedding_type=position,
         sinusoidal_layout=draw(st.sampled_from(["interleaved", "concatenated"])),
-        rope_theta=draw(at_least(1.0, 1e7)),
+        rope_theta=draw(at_least(1.0, 1e7)),  # the keyword of earlier versions: it goes into rope_parameters
+        rope_parameters=draw(rope_scalings()),
         scale_embedding=draw(st.booleans()),
         share_encoder_decoder_embeddings=draw(st.booleans()),
         tie_word_embeddings=draw(st.booleans()),
@@ -137,6 +138,26 @@ def valid_fields(draw) -> dict[str, Any]:
     return {**fields, **draw(label_fields())}
 
 
+def rope_scalings() -> st.SearchStrategy:
+    """`rope_parameters` without a theta (the drawn `rope_theta` keyword gives it): none, plain, or a scaled type
+    with its required keys (the original context defaults to max_position_embeddings)."""
+    factor = at_least(1.0, 64.0)
+    return st.one_of(
+        st.none(),
+        st.just({"rope_type": "default"}),
+        st.fixed_dictionaries({"rope_type": st.sampled_from(["linear", "dynamic", "yarn"]), "factor": factor}),
+        st.fixed_dictionaries(
+            {
+                "rope_type": st.just("llama3"),
+                "factor": factor,
+                "low_freq_factor": st.just(1.0),
+                "high_freq_factor": st.just(4.0),
+                "original_max_position_embeddings": st.integers(1, 128),
+            }
+        ),
+    )
+
+
 @st.composite
 def label_fields(draw) -> dict[str, Any]:
     num_labels = draw(st.integers(1, 5))
@@ -150,7 +171,8 @@ def label_fields(draw) -> dict[str, Any]:
 
 
 # The valid range of every numeric field, written out independently of the implementation: (smallest value, whether
-# None is allowed). Integers must be ints (not bools); floats accept ints and must be finite.
+# None is allowed). Integers must be ints (not bools); floats accept ints and must be finite. `rope_theta` is a keyword
+# (earlier versions' field) that goes into `rope_parameters`.
 INT_RANGES = {
     "vocab_size": (1, False),
     "d_model": (1, False),
@@ -234,6 +256,15 @@ def edge_invalid_values(fields: dict[str, Any]) -> dict[str, list[Any]]:
     for name in ("eos_token_id", "forced_eos_token_id"):
         values[name] += [[], [vocab_size], [-1], [True], [0, vocab_size], ["1"]]
     values["dtype"] = ["nonsense", "int8", "auto", torch.int64, 3]
+    values["rope_parameters"] = [
+        "linear",
+        [1.0],
+        {"rope_type": "nonsense"},
+        {"rope_type": "yarn"},  # without its factor
+        {"rope_type": "linear", "factor": math.nan},
+        {"rope_type": "linear", "factor": 0.0},
+        {"rope_type": "default", "rope_theta": math.inf},
+    ]
     return values
 
 
@@ -412,7 +443,7 @@ def test_reported_invalid_values_are_refused(overrides, field):
 
 def test_an_int_is_accepted_wherever_a_float_is():
     config = VanillaTransformerConfig(**TINY, num_experts=2, expert_capacity_factor=1, rope_theta=10000, dropout=0)
-    assert (config.expert_capacity_factor, config.rope_theta, config.dropout) == (1, 10000, 0)
+    assert (config.expert_capacity_factor, config.rope_parameters["rope_theta"], config.dropout) == (1, 10000, 0)
 
 
 def test_label_maps_follow_transformers_conventions(tmp_path):
@@ -443,7 +474,7 @@ def test_changes_after_construction_are_checked_on_assignment_save_and_load_over
     config = VanillaTransformerConfig(**TINY)
     config.save_pretrained(tmp_path)
     with pytest.raises(CONFIG_ERRORS, match="rope_theta"):
-        VanillaTransformerConfig.from_pretrained(tmp_path, rope_theta=0.5)  # set after construction by from_dict
+        VanillaTransformerConfig.from_pretrained(tmp_path, rope_theta=0.5)  # goes into rope_parameters
     with pytest.raises(CONFIG_ERRORS, match="d_model"):  # a rule between fields, checked after the overrides
         VanillaTransformerConfig.from_pretrained(tmp_path, d_model=18)
     with pytest.raises(CONFIG_ERRORS, match="norm_eps"):
@@ -451,6 +482,24 @@ def test_changes_after_construction_are_checked_on_assignment_save_and_load_over
     config.d_model = 18  # a rule between fields: refused when the config is validated or saved
     with pytest.raises(CONFIG_ERRORS, match="d_model"):
         config.save_pretrained(tmp_path)
+
+
+def test_rope_settings_take_transformers_form_and_keep_the_callers_dict(tmp_path):
+    """A top-level `rope_theta` (a keyword, or a config.json of earlier versions) goes into `rope_parameters`, which
+    gets its defaults as in transformers' configs; the dict given is not changed; load overrides apply."""
+    given = {"rope_type": "yarn", "factor": 4.0}
+    config = VanillaTransformerConfig(**TINY, max_position_embeddings=64, rope_parameters=given, rope_theta=500.0)
+    assert config.rope_parameters == {**given, "rope_theta": 500.0, "original_max_position_embeddings": 64}
+    assert given == {"rope_type": "yarn", "factor": 4.0}
+    assert VanillaTransformerConfig(**TINY).rope_parameters == {"rope_type": "default", "rope_theta": 10000.0}
+
+    (tmp_path / "config.json").write_text(json.dumps({**TINY, "model_type": "vanilla_transformer", "rope_theta": 321}))
+    assert AutoConfig.from_pretrained(tmp_path).rope_parameters == {"rope_type": "default", "rope_theta": 321}
+    config.save_pretrained(tmp_path)
+    assert "rope_theta" not in json.loads((tmp_path / "config.json").read_text())
+    assert VanillaTransformerConfig.from_pretrained(tmp_path, rope_theta=700).rope_parameters["rope_theta"] == 700
+    dynamic = VanillaTransformerConfig.from_pretrained(tmp_path, rope_parameters={"rope_type": "dynamic", "factor": 2})
+    assert dynamic.rope_parameters == {"rope_type": "dynamic", "factor": 2, "rope_theta": 500.0}  # the saved theta
 
 
 def test_a_model_refuses_a_bad_config_json_before_reading_weights(tmp_path):

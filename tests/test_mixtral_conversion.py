@@ -5,7 +5,7 @@ Run: python -m pytest -q tests/test_mixtral_conversion.py
 
 import pytest
 import torch
-from test_llama_conversion import left_padded_batch
+from test_llama_conversion import ORIGINAL_CONTEXT, ROPE_TYPES, left_padded_batch, long_batch, rope_case
 from transformers import AutoModelForCausalLM, MixtralConfig, MixtralForCausalLM
 
 from hf_vanilla_transformer import VanillaTransformerForCausalLM, convert_mixtral_to_vanilla_transformer
@@ -73,6 +73,20 @@ def test_converted_mixtral_generates_the_same_greedy_tokens_and_reloads(tmp_path
     converted.save_pretrained(tmp_path)
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
     assert torch.equal(reloaded.generate(input_ids, **settings), expected)
+
+
+@pytest.mark.parametrize("rope_type", ROPE_TYPES)
+def test_every_rope_type_converts_to_the_same_logits_past_the_original_context(rope_type):
+    # head_dim given: Mixtral's default None fails in transformers' own dynamic, yarn and longrope functions.
+    mixtral = tiny_mixtral(head_dim=8, **rope_case(rope_type))
+    converted = convert_mixtral_to_vanilla_transformer(mixtral)
+    assert converted.config.rope_parameters == mixtral.config.rope_parameters
+    input_ids = long_batch()
+    with torch.no_grad():
+        expected = mixtral(input_ids).logits
+        actual = converted(input_ids).logits
+    assert input_ids.shape[1] > ORIGINAL_CONTEXT
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=0)
 
 
 def test_sliding_window_is_refused():

@@ -38,6 +38,7 @@ PUBLIC_TRANSFORMERS_MODULES = {
     "transformers.masking_utils",
     "transformers.modeling_layers",
     "transformers.modeling_outputs",
+    "transformers.modeling_rope_utils",
     "transformers.modeling_utils",
     "transformers.pipelines",
     "transformers.processing_utils",

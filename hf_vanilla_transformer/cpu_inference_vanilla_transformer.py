@@ -37,6 +37,7 @@ for few-row products in torch on CPU.
 
 import functools
 import math
+import warnings
 from typing import Literal, get_args
 
 import torch
@@ -86,20 +87,59 @@ def transposed_layout(weight: torch.Tensor) -> torch.Tensor:
     return weight.t().contiguous().t()
 
 
+# oneDNN's prepacked Linear, which torch's inductor lowers to and which torch does not offer as a public API. The
+# schemas are those of torch 2.11-2.14; a torch without them, or with other ones, gets `F.linear` (and a warning).
+ONEDNN_LINEAR_SCHEMAS = {
+    "_reorder_linear_weight": "mkldnn::_reorder_linear_weight(Tensor self, int? batch_size=None) -> Tensor Y",
+    "_linear_pointwise": "mkldnn::_linear_pointwise(Tensor X, Tensor W, Tensor? B, str attr, Scalar?[] scalars, "
+    "str? algorithm) -> Tensor Y",
+    "_is_mkldnn_bf16_supported": "mkldnn::_is_mkldnn_bf16_supported() -> bool _0",
+}
+
+
+def ops_with_other_schemas(namespace: str, schemas: dict[str, str]) -> list[str]:
+    """The ops of `schemas` that `torch.ops.<namespace>` lacks or declares with another schema than the one given."""
+    others = []
+    for name, expected in schemas.items():
+        try:
+            schema = str(getattr(getattr(torch.ops, namespace), name).default._schema)
+        except (AttributeError, RuntimeError):  # torch.ops raises either for a name it does not know
+            schema = None
+        if schema != expected:
+            others.append(name)
+    return others
+
+
+def onednn_linear_available() -> bool:
+    """Whether this torch has oneDNN's prepacked Linear with the schemas `PrepackedLinear` calls; warns once if not."""
+    missing = ops_with_other_schemas("mkldnn", ONEDNN_LINEAR_SCHEMAS)
+    if missing:
+        warnings.warn(
+            f"torch {torch.__version__} lacks torch.ops.mkldnn.{', '.join(missing)} with the schemas "
+            "optimize_for_cpu_inference calls: its float32 and bfloat16 Linear layers fall back to F.linear on the "
+            "(in, out) row-major weight (slower from 8 rows on, same results).",
+            stacklevel=2,
+        )
+    return not missing
+
+
+ONEDNN_LINEAR = onednn_linear_available()
+
+
 class PrepackedLinear(nn.Module):
     """`nn.Linear` whose product runs in `dtype` (float32, or bfloat16 with avx512_bf16 where the CPU has it) on the
     same weight in two memory orders: (in, out) row-major for products of fewer than `many_rows` rows, oneDNN's
     prepacked blocks for larger ones. Takes and returns float32, so norms, softmax and the residual stream around it
     stay float32. The weight is exposed as the usual (out, in) parameter, a transposed view of the row-major copy. On
     a CPU where oneDNN has no bfloat16 path (no avx512bw/vl/dq or avx_ne_convert), bfloat16 products all read the
-    row-major copy."""
+    row-major copy, and so do all products on a torch without the oneDNN ops (`ONEDNN_LINEAR`)."""
 
     def __init__(self, linear: nn.Linear, dtype: torch.dtype, many_rows: int):
         super().__init__()
         weight = linear.weight.detach().to(dtype)
         self.weight = nn.Parameter(transposed_layout(weight), requires_grad=False)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().to(dtype), requires_grad=False)
-        packs = dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        packs = ONEDNN_LINEAR and (dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported())
         packed = torch.ops.mkldnn._reorder_linear_weight(weight) if packs else None
         self.register_buffer("packed_weight", packed, persistent=False)
         self.in_features, self.out_features = linear.in_features, linear.out_features

@@ -106,7 +106,8 @@ def decoder(model, source: torch.Tensor, beams: int, new_tokens: int, static: bo
 
 
 def time_group(precision: str, models: dict, folder: Path, shapes, args) -> dict:
-    systems = {name: build() for name, build in GROUPS[precision](models, folder).items()}
+    routes = GROUPS[precision](models, folder).items()
+    systems = {name: build() for name, build in routes if name == ANCHOR or not args.systems or name in args.systems}
     vocab_size = models["ours"].config.vocab_size
     results = {"load_average_before": os.getloadavg(), "shapes": []}
     for batch, beams in shapes:
@@ -164,6 +165,7 @@ def main() -> None:
     parser.add_argument("--size", default="transformer-base-32k", help="a size of marian_twin.py")
     parser.add_argument("--precisions", nargs="+", default=list(GROUPS), choices=list(GROUPS))
     parser.add_argument("--shapes", nargs="+", type=parse_shape, default=[(1, 1), (8, 1), (1, 4)], help="BATCHxBEAMS")
+    parser.add_argument("--systems", nargs="*", default=[], help="only these systems (and the anchor); default all")
     parser.add_argument("--repeats", type=int, default=4, help="timed rounds (tokens/s from the fastest)")
     parser.add_argument("--new_tokens", type=int, default=32)
     parser.add_argument("--source_len", type=int, default=24)

@@ -77,9 +77,10 @@ def bfloat16_group(models: dict, folder: Path) -> dict[str, Callable[[], object]
 
 
 def int8_group(models: dict, folder: Path) -> dict[str, Callable[[], object]]:
+    ours = models["ours"]
     group = {
         ANCHOR: lambda: models["marian"],
-        "ours_int8_optimize_for_cpu_inference": lambda: optimize_for_cpu_inference(copy.deepcopy(models["ours"]), "int8"),
+        "ours_int8_optimize_for_cpu_inference": lambda: optimize_for_cpu_inference(copy.deepcopy(ours), "int8"),
     }
     for config_name in ("int8_weight_only", "int8_dynamic"):
         for name in MODEL_CLASSES:

@@ -19,20 +19,24 @@ reads it below the memory bandwidth; against an (in, out) row-major weight the s
   twice their memory. The tied output projection gets its own copies, so that the embedding lookups keep their
   row-contiguous table.
 * ``"int8"``: the weights of the Linear layers become int8 with one float scale per output channel (symmetric,
-  absmax/127.5) and run through torch's dynamic int8 Linear (fbgemm, VNNI where present), which quantizes each
-  call's activations to 8 bits over their own range. A quarter of the fp32 bytes per step.
+  absmax/127.5) and run through oneDNN's int8 product (`Int8Linear`), each call's activations quantized to 8 bits
+  (7 without VNNI) over their own absolute maximum. A quarter of the fp32 bytes per step.
 * ``"bfloat16"``: the Linear weights are rounded to bfloat16 and their products run in bfloat16 on the prepacked copy
   (avx512_bf16 where the CPU has it; faster than `F.linear` in bfloat16 at every row count); norms, softmax and the
   residual stream stay float32. Half of the fp32 bytes per step.
 
-`torch.compile` (e.g. `generate(cache_implementation="static", compile_config=...)`) reads the row-major copies, as
-its lowering takes oneDNN's packed weights only from its own constant folding; int8's Linear layers run outside the
-compiled graph (torch keeps their weights in a TorchScript object).
+Each path is kept because it decodes more than 10 % faster than the best public route to the same precision on a CPU
+(`torch.compile` with inductor's freezing, the model cast to bfloat16, torchao's int8 through transformers'
+`TorchAoConfig`; `benchmarks/cpu_inference_routes.py`, docs/deployment.md). torch offers these oneDNN ops under
+`torch.ops.mkldnn` and `torch.ops.onednn` for its own compiler only, so the module checks at import that each exists
+with the schema it calls (`ops_available`); where one does not, it warns once and those layers multiply with
+`F.linear`. None of torch's deprecated quantized tensors (`torch.ao` dynamic quantization) is used.
+
+`torch.compile` (e.g. `generate(cache_implementation="static", compile_config=...)`) reads the row-major copies and
+int8's dequantized weights, as inductor lowers oneDNN's packed weights only from its own constant folding.
 
 The model is put in eval mode and its parameters stop requiring gradients: the result is for inference only (train
-from the original checkpoint). Saving it is not supported; save before optimizing. torch marks its eager dynamic
-quantization (used for int8) deprecated in favour of torchao and warns about it; it is still the fastest int8 path
-for few-row products in torch on CPU.
+from the original checkpoint). Saving it is not supported; save before optimizing.
 """
 
 import functools
@@ -198,9 +202,10 @@ class Int8Linear(nn.Module):
         # rows / scale lies in [-levels, levels]: + 128.5 and truncation round it to the nearest uint8 in [1, 255].
         quantized = (rows / scale + 128.5).to(torch.uint8)
         output = torch.ops.onednn.qlinear_pointwise.tensor(
-            quantized, scale, self.activation_zero_point, self.packed_weight, self.weight_scale, self.weight_zero_point, self.bias,
-            1.0, 0, torch.float32, "none", [], "",
-        )
+            quantized, scale, self.activation_zero_point,
+            self.packed_weight, self.weight_scale, self.weight_zero_point,
+            self.bias, 1.0, 0, torch.float32, "none", [], "",
+        )  # fmt: skip
         return output.to(input.dtype)
 
     def extra_repr(self) -> str:

@@ -184,4 +184,5 @@ def test_without_the_onednn_op_products_fall_back_to_f_linear(reload_with_change
         torch.testing.assert_close(
             logits(optimized, input_ids, attention_mask), logits(model, input_ids, attention_mask), rtol=0, atol=1e-5
         )
-    assert torch.equal(generated(optimized, input_ids, attention_mask, 4), generated(model, input_ids, attention_mask, 4))
+    beam_tokens = generated(optimized, input_ids, attention_mask, 4)
+    assert torch.equal(beam_tokens, generated(model, input_ids, attention_mask, 4))

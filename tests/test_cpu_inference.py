@@ -4,12 +4,14 @@ python -m pytest -q tests/test_cpu_inference.py
 """
 
 import copy
+import importlib
 
 import pytest
 import torch
 from conftest import padded_batch, tiny_config
 
 from hf_vanilla_transformer import VanillaTransformerForConditionalGeneration
+from hf_vanilla_transformer import cpu_inference_vanilla_transformer as cpu_inference
 from hf_vanilla_transformer.cpu_inference_vanilla_transformer import PrepackedLinear, optimize_for_cpu_inference
 
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2", "gate_proj", "up_proj", "down_proj", "lm_head")
@@ -84,13 +86,13 @@ def test_prepacked_linear_either_memory_order_gives_the_product(dtype, many_rows
 def test_int8_weights_are_per_channel_absmax_roundings():
     model, optimized = model_and_optimized("int8")
     linear, quantized = model.model.decoder.layers[0].mlp.fc1, optimized.model.decoder.layers[0].mlp.fc1
-    weight = quantized.weight()
-    scales = weight.q_per_channel_scales().float()
-    absmax = linear.weight.detach().abs().amax(dim=1)
+    scales, absmax = quantized.weight_scale, linear.weight.detach().abs().amax(dim=1)
     # Symmetric int8: the largest weight of each output channel maps to the end of [-128, 127].
     torch.testing.assert_close(scales, absmax / 127.5, rtol=1e-5, atol=0)
-    assert (weight.dequantize() - linear.weight).abs().le(scales[:, None] / 2 + 1e-7).all()
-    assert torch.equal(quantized.bias(), linear.bias.detach())
+    assert quantized.int8_weight.dtype == torch.int8
+    dequantized = quantized.int8_weight.float() * scales[:, None]
+    assert (dequantized - linear.weight).abs().le(scales[:, None] / 2 + 1e-7).all()
+    assert torch.equal(quantized.bias, linear.bias.detach())
 
 
 @pytest.mark.parametrize("precision, tolerance", [("int8", 0.05), ("bfloat16", 0.02)])
@@ -104,12 +106,16 @@ def test_lower_precision_linear_is_close_to_float32(precision, tolerance):
 
 
 @pytest.mark.parametrize("precision", ["int8", "bfloat16"])
-def test_lower_precision_generates(precision):
-    _, optimized = model_and_optimized(precision)
+def test_lower_precision_decodes_the_float32_tokens(precision):
+    """The rounding moves the logits by less than this model's margins between its best tokens (as on 3 of 3 seeds
+    tried): greedy and beam search pick the float32 model's tokens."""
+    model, optimized = model_and_optimized(precision)
     input_ids, attention_mask = padded_batch()
     for num_beams in (1, 4):
-        output = generated(optimized, input_ids, attention_mask, num_beams)
-        assert output.shape[0] == input_ids.shape[0] and output.shape[1] > 1
+        assert torch.equal(
+            generated(optimized, input_ids, attention_mask, num_beams),
+            generated(model, input_ids, attention_mask, num_beams),
+        )
 
 
 def test_bad_arguments_are_named():
@@ -141,6 +147,42 @@ def test_compiled_decoding_step_has_no_graph_breaks(precision):
         compiled = model.generate(input_ids, attention_mask=attention_mask, compile_config=compile_config, **options)
         eager = model.generate(input_ids, attention_mask=attention_mask, disable_compile=True, **options)
     assert torch.equal(compiled, eager)
-    assert counters["stats"]["unique_graphs"] >= 1
-    if precision != "int8":  # torch's int8 Linear holds its weights in a TorchScript object, which breaks the graph
-        assert not counters["graph_break"], dict(counters["graph_break"])
+    assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+@pytest.fixture
+def reload_with_changed_op(monkeypatch):
+    """Imports the module anew on a torch whose op `torch.ops.<namespace>.<name>` has another schema (aten's mm)."""
+
+    def reload(namespace: str, name: str):
+        monkeypatch.setattr(getattr(torch.ops, namespace), name, torch.ops.aten.mm, raising=False)
+        with pytest.warns(UserWarning, match=name):
+            return importlib.reload(cpu_inference)
+
+    yield reload
+    monkeypatch.undo()
+    importlib.reload(cpu_inference)
+
+
+@pytest.mark.parametrize(
+    "precision, namespace, name",
+    [
+        ("float32", "mkldnn", "_linear_pointwise"),
+        ("bfloat16", "mkldnn", "_linear_pointwise"),
+        ("int8", "onednn", "qlinear_pointwise"),
+    ],
+)
+def test_without_the_onednn_op_products_fall_back_to_f_linear(reload_with_changed_op, precision, namespace, name):
+    """Beam search on 3 sentences multiplies 12 rows, where the packed copy would be read: the fallback never calls
+    the changed op (aten's mm would refuse its arguments) and decodes the float32 model's tokens."""
+    module = reload_with_changed_op(namespace, name)
+    torch.manual_seed(0)
+    model = VanillaTransformerForConditionalGeneration(tiny_config()).eval()
+    optimized = module.optimize_for_cpu_inference(copy.deepcopy(model), precision)
+    input_ids, attention_mask = padded_batch()
+    if precision == "float32":
+        torch.testing.assert_close(
+            logits(optimized, input_ids, attention_mask), logits(model, input_ids, attention_mask), rtol=0, atol=1e-5
+        )
+    beam_tokens = generated(optimized, input_ids, attention_mask, 4)
+    assert torch.equal(beam_tokens, generated(model, input_ids, attention_mask, 4))

@@ -305,7 +305,7 @@ EVAL = ["--do_eval", "--demo_validation_size", "4"]
          + ["--image_processor_name", "{tmp}/processor8"], r"makes images of shape \(3, 8, 8\); the model takes"),
         *[(name, ["--neftune_noise_alpha", "-1"], "--neftune_noise_alpha must be 0 or more, got -1")
           for name in ("seq2seq", "causal LM", "masked LM", "classifier")],
-        ("seq2seq", ["--dataloader_num_workers", "1", "--dataloader_prefetch_factor", "0"], "prefetch_factor must be 1"),
+        ("seq2seq", ["--dataloader_num_workers", "1", "--dataloader_prefetch_factor", "0"], "factor must be 1"),
         ("seq2seq", ["--dataloader_prefetch_factor", "2"], "--dataloader_prefetch_factor can only be set"),
         ("masked LM", ["--config_overrides", TINY_SIZES + ",vocab_size=8"], "vocab_size=8 is below the tokenizer's"),
         ("causal LM", ["--config_overrides", TINY_SIZES + ",is_encoder_decoder=true"],
@@ -387,39 +387,43 @@ def test_no_pinned_memory_without_accelerator(tmp_path):
     assert arguments.dataloader_pin_memory == torch.accelerator.is_available()
 
 
-def test_run_tracker_keeps_time_across_restarts():
+def test_run_tracker_keeps_time_across_restarts(tmp_path):
     now = [0.0]
     tracker = run_control.RunTracker(max_train_minutes=1, eval_every_minutes=0.5, clock=lambda: now[0])
     state, control = TrainerState(stateful_callbacks=[tracker]), TrainerControl()
-    tracker.on_train_begin(None, state, control)
+    args = SimpleNamespace(output_dir=str(tmp_path), save_strategy="steps")
+    tracker.on_train_begin(args, state, control)
     for second, should_evaluate, should_stop in [(20, False, False), (31, True, False), (45, False, False)]:
         now[0], control = second, TrainerControl()
-        tracker.on_step_end(None, state, control)
+        tracker.on_step_end(args, state, control)
         assert (control.should_evaluate, control.should_training_stop) == (should_evaluate, should_stop), second
 
-    saved = tracker.state()  # what a checkpoint at 45 s holds; the process dies, another resumes at clock 1000
+    saved = tracker.state()  # what a checkpoint at 45 s holds
     assert saved["attributes"]["train_seconds"] == 45
+    now[0] = 56.0  # trained on for 11 s, recorded beside the checkpoints; the process dies, another resumes at 1000
+    tracker.on_step_end(args, state, TrainerControl())
     resumed = run_control.RunTracker(max_train_minutes=1, eval_every_minutes=0.5, clock=lambda: now[0])
     now[0] = 1000.0
-    resumed.on_train_begin(None, TrainerState(stateful_callbacks={"RunTracker": saved}), TrainerControl())
-    assert resumed.run_id == tracker.run_id and resumed.elapsed_seconds() == 45
+    resumed.on_train_begin(args, TrainerState(stateful_callbacks={"RunTracker": saved}), TrainerControl())
+    assert resumed.run_id == tracker.run_id and resumed.elapsed_seconds() == 56  # the 11 s lost count
 
-    class Args:
-        save_strategy = "steps"
-
-    now[0], control = 1016.0, TrainerControl()  # 61 s of training: the budget is spent
-    resumed.on_step_end(Args, state, control)
+    now[0], control = 1005.0, TrainerControl()  # 61 s of training: the budget is spent
+    resumed.on_step_end(args, state, control)
     assert control.should_training_stop and control.should_save  # the evaluation due at 60 s is left to what follows
     assert not control.should_evaluate
     resumed.on_train_end(None, state, control)
     now[0] = 2000.0
     assert resumed.elapsed_seconds() == 61  # the clock stopped with training
+    other_run = run_control.RunTracker(clock=lambda: now[0])
+    other_run.on_train_begin(args, TrainerState(stateful_callbacks=[other_run]), TrainerControl())
+    assert other_run.elapsed_seconds() == 0  # another run's recorded time is not this run's
 
 
-def test_cooldown_factor_falls_linearly_over_the_budgets_end():
+def test_cooldown_factor_falls_linearly_over_the_budgets_end(tmp_path):
     now = [0.0]
     tracker = run_control.RunTracker(max_train_minutes=10, clock=lambda: now[0], cooldown_minutes=2)
-    tracker.on_train_begin(None, TrainerState(stateful_callbacks=[tracker]), TrainerControl())
+    args = SimpleNamespace(output_dir=str(tmp_path))
+    tracker.on_train_begin(args, TrainerState(stateful_callbacks=[tracker]), TrainerControl())
     for second, factor in [(0, 1.0), (480, 1.0), (510, 0.75), (570, 0.25), (600, 0.0), (700, 0.0)]:
         now[0] = second
         assert tracker.learning_rate_factor() == pytest.approx(factor), second

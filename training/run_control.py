@@ -8,7 +8,8 @@ loses nor mixes anything.
   begins, put back if the new run fails before its first save (or, killed, when the folder is next used), and its
   checkpoints and weights removed after that save. One run per folder: a run holds an OS lock on `.run.lock` for its
   life (released by the OS when the process dies), and a second run into the folder is refused, naming the first.
-- The time: `RunTracker` counts the run's training time across restarts, stops training cleanly at
+- The time: `RunTracker` counts the run's training time across restarts (the time a killed run trained after its
+  last checkpoint included, from `.run_clock.json`), stops training cleanly at
   --max_train_minutes and evaluates/saves every --eval_every_minutes/--save_every_minutes; it stamps every checkpoint
   with the run's id, so that averaging never mixes runs.
 - The end: --average_last_checkpoints k averages the last k checkpoints (paper §6.1) and keeps the averaged weights
@@ -73,7 +74,9 @@ NOT_PART_OF_THE_RUN = {
     "dataloader_pin_memory",  # set from the machine (RunArguments)
 }
 # What a run leaves in its folder that a new run's files could be mixed with: removed by --overwrite_output_dir.
-RUN_OUTPUTS = ("checkpoint-*", "*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", RUN_RECORD)
+RUN_CLOCK = ".run_clock.json"  # the run's training time, recorded between checkpoints (`RunTracker.record_clock`)
+CLOCK_EVERY_SECONDS = 10
+RUN_OUTPUTS = ("checkpoint-*", "*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", RUN_RECORD, RUN_CLOCK)
 LOCK_FILE = ".run.lock"  # locked by the run that uses the folder; holds its process id
 REPLACED_RUN = ".replaced-run"  # the previous run's files, set aside until the run replacing it has saved
 NOT_RUN_FILES = {LOCK_FILE, REPLACED_RUN}
@@ -353,7 +356,7 @@ def check_output_dir(arguments: tuple[Any, ...]) -> RunFolder | None:
     folder = RunFolder(training_args, current)
     world_size = training_args.world_size
     recorded, chosen = read_run_record(output_dir), training_args.resume_from_checkpoint
-    not_the_runs = {RUN_RECORD, *NOT_RUN_FILES}
+    not_the_runs = {RUN_RECORD, RUN_CLOCK, *NOT_RUN_FILES}
     holds_files = output_dir.is_dir() and any(path.name not in not_the_runs for path in output_dir.iterdir())
     if chosen is not None and (not holds_files or Path(chosen).resolve().parent == output_dir.resolve()):
         pass  # the user's checkpoint continues its run here, with these arguments from now on
@@ -496,6 +499,7 @@ class RunTracker(TrainerCallback, ExportableState):
         self.train_seconds = 0.0  # training time before this process started (or resumed) training
         self.started_at: float | None = None
         self.next_at: dict[str, float] = {}
+        self.clock_recorded_at = -math.inf
 
     def elapsed_seconds(self) -> float:
         running = self.clock() - self.started_at if self.started_at is not None else 0.0
@@ -532,8 +536,30 @@ class RunTracker(TrainerCallback, ExportableState):
         self.run_id = attributes.get("run_id", self.run_id)
         self.train_seconds = attributes.get("train_seconds", self.train_seconds)
 
+    def record_clock(self, output_dir: str, state: TrainerState, elapsed: float) -> None:
+        """Every `CLOCK_EVERY_SECONDS` of training, the run's training time (`elapsed`) goes to `RUN_CLOCK` beside its
+        checkpoints, so that a run killed after its last checkpoint still counts the time it trained since."""
+        if not state.is_world_process_zero or elapsed - self.clock_recorded_at < CLOCK_EVERY_SECONDS:
+            return
+        partial = Path(output_dir, f"{RUN_CLOCK}.partial")
+        partial.write_text(json.dumps({"run_id": self.run_id, "train_seconds": elapsed}))
+        os.replace(partial, Path(output_dir, RUN_CLOCK))  # a kill leaves the old record or the new one
+        self.clock_recorded_at = elapsed
+
+    def add_time_lost(self, output_dir: str) -> None:
+        """The training time this run recorded after the checkpoint it resumes from (its steps are trained again)."""
+        try:
+            recorded = json.loads(Path(output_dir, RUN_CLOCK).read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            return
+        if recorded.get("run_id") == self.run_id and recorded.get("train_seconds", 0) > self.train_seconds:
+            lost = recorded["train_seconds"] - self.train_seconds
+            logger.info("Counting the %.1f s this run trained after its checkpoint before it stopped", lost)
+            self.train_seconds = recorded["train_seconds"]
+
     def on_train_begin(self, args, state, control, **kwargs):
         self.restore(state)
+        self.add_time_lost(args.output_dir)
         self.started_at = self.clock()
         actions = [action for action, minutes in self.every_minutes.items() if minutes]
         self.next_at = {action: self.next_time(action, self.train_seconds) for action in actions}
@@ -551,6 +577,7 @@ class RunTracker(TrainerCallback, ExportableState):
             control.should_training_stop = True
             control.should_save = args.save_strategy != SaveStrategy.NO
         self.log_before_saving(control)
+        self.record_clock(args.output_dir, state, elapsed)
 
     def on_epoch_end(self, args, state, control, **kwargs):
         self.log_before_saving(control)

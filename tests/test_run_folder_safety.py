@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import huggingface_hub.constants
 import pytest
 import torch
 from transformers import TrainerCallback
@@ -29,6 +30,7 @@ import average_checkpoints  # noqa: E402
 import run_common  # noqa: E402
 import run_control  # noqa: E402
 import train_causal_lm  # noqa: E402
+import train_classifier  # noqa: E402
 import train_masked_lm  # noqa: E402
 import train_seq2seq  # noqa: E402
 from test_safe_scripts import RUN, TINY_SIZES, copy_of, folder_contents  # noqa: E402
@@ -308,3 +310,10 @@ def test_averaging_refuses_to_write_over_a_run(old_run, tmp_path):
         "average_checkpoints.py", "--run_dir", str(run_dir), "--last_k", "2", "--output_dir", str(averaged)
     )
     assert done.returncode == 0 and (averaged / "model.safetensors").is_file()
+
+
+def test_offline_a_missing_folder_named_like_a_hub_repository_is_named_as_missing(tmp_path, monkeypatch):
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    missing = "no-such-run/mlm"  # a relative path, and a Hub repository id's form
+    with pytest.raises(ValueError, match=f"--model_name_or_path {missing}: no such folder \\(and the Hub is off"):
+        train_classifier.main([*QUIET, "--model_name_or_path", missing, "--output_dir", str(tmp_path), "--do_train"])

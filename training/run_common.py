@@ -23,6 +23,7 @@ import transformers  # noqa: E402
 from accelerate import ParallelismConfig, PartialState  # noqa: E402
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin  # noqa: E402
 from datasets import DatasetDict, load_dataset  # noqa: E402
+import huggingface_hub.constants  # noqa: E402
 from huggingface_hub.errors import HFValidationError, StrictDataclassError  # noqa: E402
 from huggingface_hub.utils import validate_repo_id  # noqa: E402
 from run_control import train_and_evaluate  # noqa: E402
@@ -479,11 +480,13 @@ SOURCE_FLAGS = ("model_name_or_path", "tokenizer_name", "image_processor_name")
 
 def check_local_sources(model_args: Any) -> None:
     """A model, tokenizer or image processor named by a path that does not exist is refused naming its flag; only a
-    name that can be a Hub repository id ("org/name") goes on to the Hub."""
+    name that can be a Hub repository id ("org/name") goes on to the Hub, and not in offline mode (HF_HUB_OFFLINE)."""
     for flag in SOURCE_FLAGS:
         source = getattr(model_args, flag, None)
         if source is None or Path(source).exists():
             continue
+        if huggingface_hub.constants.HF_HUB_OFFLINE:
+            raise ValueError(f"--{flag} {source}: no such folder (and the Hub is off: HF_HUB_OFFLINE).")
         try:
             validate_repo_id(source)
         except HFValidationError:

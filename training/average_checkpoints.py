@@ -127,12 +127,30 @@ def average_checkpoints(checkpoints: list[Path], output_dir: str | Path) -> Path
     return output_dir
 
 
+# What marks a folder as holding a run or a model that averaging into it would replace or mix with.
+RUN_FILES = ("checkpoint-*", "*.safetensors", "run_arguments.json", TRAINER_STATE)
+
+
+def output_dir_refusal(output_dir: Path, run_dir: Path) -> str | None:
+    """Why the averaged model may not go to `output_dir`, or None: it is a file, the run averaged (its kept final
+    weights would be replaced), or holds a run, a checkpoint or a model."""
+    if output_dir.exists() and not output_dir.is_dir():
+        return "is a file"
+    if output_dir.resolve() == run_dir.resolve():
+        return "is the run averaged (its final weights would be replaced)"
+    held = next((path for pattern in RUN_FILES for path in sorted(output_dir.glob(pattern))), None)
+    return f"holds a run or a model ({held.name})" if held else None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--run_dir", required=True, help="A training output directory with checkpoint-* folders.")
     parser.add_argument("--last_k", type=int, default=5, help="How many of the newest checkpoints (paper: 5).")
     parser.add_argument("--output_dir", required=True, help="Where to write the averaged model.")
     args = parser.parse_args()
+    refusal = output_dir_refusal(Path(args.output_dir), Path(args.run_dir))
+    if refusal:
+        parser.error(f"--output_dir {args.output_dir} {refusal}; give a new or empty folder.")
     checkpoints = last_checkpoints(args.run_dir, args.last_k)
     average_checkpoints(checkpoints, args.output_dir)
     print(f"Averaged {[path.name for path in checkpoints]} into {args.output_dir}")

@@ -2,6 +2,7 @@
 files, training with perplexity, and the output directory's model card with its training plot."""
 
 import dataclasses
+import functools
 import inspect
 import json
 import logging
@@ -22,7 +23,9 @@ import transformers  # noqa: E402
 from accelerate import ParallelismConfig, PartialState  # noqa: E402
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin  # noqa: E402
 from datasets import DatasetDict, load_dataset  # noqa: E402
-from huggingface_hub.errors import StrictDataclassError  # noqa: E402
+import huggingface_hub.constants  # noqa: E402
+from huggingface_hub.errors import HFValidationError, StrictDataclassError  # noqa: E402
+from huggingface_hub.utils import validate_repo_id  # noqa: E402
 from run_control import train_and_evaluate  # noqa: E402
 from torch.distributed.fsdp import FSDPModule  # noqa: E402
 from torch.optim.lr_scheduler import LambdaLR  # noqa: E402
@@ -192,44 +195,56 @@ def single_label_problem(config: Any, labels: torch.Tensor) -> None:
         )
 
 
+def smoothed_token_loss(
+    logits, labels, vocab_size: int, num_items_in_batch=None, ignore_index: int = -100, *, epsilon: float, **kwargs
+):
+    flat = logits.view(-1, vocab_size), labels.view(-1)
+    return smoothed_cross_entropy(*flat, epsilon, num_items_in_batch, ignore_index)
+
+
+def smoothed_sequence_classification_loss(labels, pooled_logits, config, num_items_in_batch=None, *, epsilon, **kwargs):
+    single_label_problem(config, labels)
+    flat = pooled_logits.view(-1, config.num_labels), labels.view(-1)
+    return smoothed_cross_entropy(*flat, epsilon, num_items_in_batch)
+
+
+def smoothed_token_classification_loss(
+    logits, labels, config, num_items_in_batch=None, ignore_index=-100, *, epsilon: float, **kwargs
+):
+    flat = logits.view(-1, config.num_labels), labels.view(-1)
+    return smoothed_cross_entropy(*flat, epsilon, num_items_in_batch, ignore_index)
+
+
+def smoothed_question_answering_loss(start_logits, end_logits, start_positions, end_positions, *, epsilon, **kwargs):
+    # transformers' ForQuestionAnsweringLoss: positions outside the sequence are clamped to one past it, ignored.
+    outside, count = start_logits.size(1), kwargs.get("num_items_in_batch")
+    start, end = (
+        smoothed_cross_entropy(logits, positions.view(-1).clamp(0, outside), epsilon, count, ignore_index=outside)
+        for logits, positions in ((start_logits, start_positions), (end_logits, end_positions))
+    )
+    return (start + end) / 2
+
+
+SMOOTHED_LOSSES = {
+    "ForMaskedLM": smoothed_token_loss,
+    "ForSequenceClassification": smoothed_sequence_classification_loss,
+    "ForImageClassification": smoothed_sequence_classification_loss,
+    "ForTokenClassification": smoothed_token_classification_loss,
+    "ForQuestionAnswering": smoothed_question_answering_loss,
+}
+
+
 def label_smoothed_loss(epsilon: float, loss_type: str = "ForMaskedLM") -> Callable[..., torch.Tensor]:
     """The `loss_function` of a model of transformers' `loss_type` (the heads call each with its own arguments) with
     label smoothing, as `smoothed_cross_entropy`: "ForMaskedLM" (our language models: labels aligned with the
     logits), sequence and image classification, token classification, question answering (start and end smoothed
-    alike; the Trainer's `LabelSmoother` would not smooth them, having no `labels` to pop)."""
-
-    def token_loss(logits, labels, vocab_size: int, num_items_in_batch=None, ignore_index: int = -100, **kwargs):
-        flat = logits.view(-1, vocab_size), labels.view(-1)
-        return smoothed_cross_entropy(*flat, epsilon, num_items_in_batch, ignore_index)
-
-    def sequence_classification_loss(labels, pooled_logits, config, num_items_in_batch=None, **kwargs):
-        single_label_problem(config, labels)
-        flat = pooled_logits.view(-1, config.num_labels), labels.view(-1)
-        return smoothed_cross_entropy(*flat, epsilon, num_items_in_batch)
-
-    def token_classification_loss(logits, labels, config, num_items_in_batch=None, ignore_index=-100, **kwargs):
-        flat = logits.view(-1, config.num_labels), labels.view(-1)
-        return smoothed_cross_entropy(*flat, epsilon, num_items_in_batch, ignore_index)
-
-    def question_answering_loss(start_logits, end_logits, start_positions, end_positions, **kwargs):
-        # transformers' ForQuestionAnsweringLoss: positions outside the sequence are clamped to one past it, ignored.
-        outside, count = start_logits.size(1), kwargs.get("num_items_in_batch")
-        start, end = (
-            smoothed_cross_entropy(logits, positions.view(-1).clamp(0, outside), epsilon, count, ignore_index=outside)
-            for logits, positions in ((start_logits, start_positions), (end_logits, end_positions))
+    alike; the Trainer's `LabelSmoother` would not smooth them, having no `labels` to pop). A partial of a
+    module-level function, so the model stays picklable (data-loader workers started by spawn or forkserver)."""
+    if loss_type not in SMOOTHED_LOSSES:
+        raise ValueError(
+            f"--label_smoothing_factor: no label-smoothed loss for a {loss_type} head ({sorted(SMOOTHED_LOSSES)})."
         )
-        return (start + end) / 2
-
-    losses = {
-        "ForMaskedLM": token_loss,
-        "ForSequenceClassification": sequence_classification_loss,
-        "ForImageClassification": sequence_classification_loss,
-        "ForTokenClassification": token_classification_loss,
-        "ForQuestionAnswering": question_answering_loss,
-    }
-    if loss_type not in losses:
-        raise ValueError(f"--label_smoothing_factor: no label-smoothed loss for a {loss_type} head ({sorted(losses)}).")
-    return losses[loss_type]
+    return functools.partial(SMOOTHED_LOSSES[loss_type], epsilon=epsilon)
 
 
 class ModelLossMixin(Trainer):
@@ -408,11 +423,31 @@ def new_model_config(model_args: ModelArguments, tokenizer: PreTrainedTokenizerB
             eos_token_id=tokenizer.eos_token_id,
             decoder_start_token_id=start_id,
         )
-    overrides = {**token_fields, **fields, **parse_config_overrides(model_args.config_overrides)}
+    requested = parse_config_overrides(model_args.config_overrides)
+    check_overrides_keep_the_script(requested, fields, token_fields["vocab_size"], tokenizer is not None)
+    overrides = {**token_fields, **fields, **requested}
     with config_errors_named("--config_overrides" if model_args.config_overrides else "--preset"):
         if model_args.preset == DEMO_PRESET:
             return VanillaTransformerConfig(**{**DEMO_SIZES, **overrides})
         return VanillaTransformerConfig.from_preset(model_args.preset, **overrides)
+
+
+def check_overrides_keep_the_script(
+    requested: dict[str, Any], fields: dict[str, Any], vocab_size: int, tokenizer_known: bool
+) -> None:
+    """--config_overrides may not change what the script builds (`fields`: a decoder-only model is no encoder-decoder)
+    nor give the model fewer token embeddings than the tokenizer has tokens (a step would index past them)."""
+    for name, value in requested.items():
+        if name in fields and value != fields[name]:
+            raise ValueError(
+                f"--config_overrides {name}={value}: this script builds a model with {name}={fields[name]}; "
+                "another kind of model trains with another script (the classifier's stack: --stack)."
+            )
+    if tokenizer_known and isinstance(requested.get("vocab_size"), int) and requested["vocab_size"] < vocab_size:
+        raise ValueError(
+            f"--config_overrides vocab_size={requested['vocab_size']} is below the tokenizer's {vocab_size} tokens: "
+            "drop it (the model takes the tokenizer's size) or give a larger one."
+        )
 
 
 @contextmanager
@@ -427,6 +462,7 @@ def config_errors_named(flag: str) -> Iterator[None]:
 def check_model_arguments(model_args: Any, new_model_fields: dict[str, Any]) -> None:
     """A new model's config is built once before any data is read, so a bad --preset or --config_overrides fails
     at once; `new_model_fields` are the fields the script sets itself (e.g. is_encoder_decoder=False)."""
+    check_local_sources(model_args)
     if model_args.tp_size > 1 and not model_args.model_name_or_path:
         raise ValueError(
             "--tp_size shards a saved model while it loads: give --model_name_or_path (save a new model first)."
@@ -437,6 +473,24 @@ def check_model_arguments(model_args: Any, new_model_fields: dict[str, Any]) -> 
         return
     if isinstance(model_args, ModelArguments):  # the text scripts' new model, from --preset (the image script: its own)
         new_model_config(model_args, None, **new_model_fields)
+
+
+SOURCE_FLAGS = ("model_name_or_path", "tokenizer_name", "image_processor_name")
+
+
+def check_local_sources(model_args: Any) -> None:
+    """A model, tokenizer or image processor named by a path that does not exist is refused naming its flag; only a
+    name that can be a Hub repository id ("org/name") goes on to the Hub, and not in offline mode (HF_HUB_OFFLINE)."""
+    for flag in SOURCE_FLAGS:
+        source = getattr(model_args, flag, None)
+        if source is None or Path(source).exists():
+            continue
+        if huggingface_hub.constants.HF_HUB_OFFLINE:
+            raise ValueError(f"--{flag} {source}: no such folder (and the Hub is off: HF_HUB_OFFLINE).")
+        try:
+            validate_repo_id(source)
+        except HFValidationError:
+            raise ValueError(f"--{flag} {source}: no such folder (nor a Hub repository id).") from None
 
 
 def pretrained_model_kwargs(model_args: Any) -> dict[str, Any]:
@@ -490,6 +544,12 @@ ARGUMENT_BOUNDS = {
     "eval_accumulation_steps": AT_LEAST_ONE,
     "save_total_limit": AT_LEAST_ONE,
     "dataloader_num_workers": NOT_NEGATIVE,
+    "dataloader_prefetch_factor": Bound(1, why="batches each worker loads ahead"),
+    "adam_beta1": Bound(0, 1, "[)", "the decay of Adam's moment estimates"),
+    "adam_beta2": Bound(0, 1, "[)", "the decay of Adam's moment estimates"),
+    "adam_epsilon": NOT_NEGATIVE,
+    "neftune_noise_alpha": Bound(0, why="the scale of NEFTune's noise"),
+    "warmup_steps": Bound(0, why="steps, or below 1 a share of the run"),
     "generation_max_length": Bound(2, why="the decoder's start token and at least one generated token"),
     "generation_num_beams": AT_LEAST_ONE,
     # The scripts' own
@@ -533,6 +593,8 @@ def check_trainer_values(training_args: Any) -> None:
         raise ValueError(
             f"--label_names {training_args.label_names}: the scripts' batches hold their targets in labels."
         )
+    if training_args.optim_args and not all("=" in pair for pair in training_args.optim_args.split(",")):
+        raise ValueError(f"--optim_args {training_args.optim_args!r} must be comma-separated key=value pairs.")
     if training_args.max_steps <= 0 and not training_args.num_train_epochs > 0:
         raise ValueError(
             f"--num_train_epochs must be above 0 without --max_steps, got {training_args.num_train_epochs}: the run "
@@ -706,6 +768,14 @@ class TextDataArguments:
     max_eval_samples: int | None = field(default=None, metadata={"help": "Use only this many validation examples."})
     demo_train_size: int = field(default=20000, metadata={"help": "Training examples generated for the demo data."})
     demo_validation_size: int = field(default=500, metadata={"help": "Validation examples for the demo data."})
+
+    def __post_init__(self):
+        refuse_training_split_as_validation(self.validation_split)
+
+
+def refuse_training_split_as_validation(split: str) -> None:
+    if split == "train":
+        raise ValueError("--validation_split train would score the training data as validation: name a held-out split.")
 
 
 def load_text_data(

@@ -35,7 +35,7 @@ from run_common import (
     schedule_description,
     train_then_evaluate_perplexity,
 )
-from run_control import RunArguments, RunTrainerMixin, check_output_dir
+from run_control import RunArguments, RunTrainerMixin, check_output_dir, keeps_the_previous_run
 from train_tokenizer import train_bpe_tokenizer
 from transformers import (
     AutoModelForCausalLM,
@@ -112,6 +112,7 @@ def pack_into_blocks(examples: dict[str, list], block_size: int) -> dict[str, li
     return blocks
 
 
+@keeps_the_previous_run
 def main(argv: list[str] | None = None) -> dict[str, float]:
     arguments = parse_script_arguments(
         (ModelArguments, DataArguments, PaperTrainingArguments), argv, is_encoder_decoder=False, is_decoder=True

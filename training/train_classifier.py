@@ -34,7 +34,7 @@ from run_common import (
     plt,
     required_split,
 )
-from run_control import RunArguments, check_output_dir, train_and_choose_weights
+from run_control import RunArguments, check_output_dir, keeps_the_previous_run, train_and_choose_weights
 from train_causal_lm import PaperTrainer
 from train_tokenizer import train_bpe_tokenizer
 from transformers import (
@@ -180,6 +180,7 @@ def classifier_tokenizer(
     return train_bpe_tokenizer(texts, model_args.tokenizer_vocab_size)
 
 
+@keeps_the_previous_run
 def main(argv: list[str] | None = None) -> dict[str, float]:
     arguments = parse_script_arguments(
         (ClassifierModelArguments, ClassifierDataArguments, FineTuningArguments), argv, is_encoder_decoder=False

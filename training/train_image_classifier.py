@@ -39,8 +39,9 @@ from run_common import (
     parse_script_arguments,
     plot_training_curves,
     pretrained_model_kwargs,
+    refuse_training_split_as_validation,
 )
-from run_control import check_output_dir, train_and_choose_weights
+from run_control import check_output_dir, keeps_the_previous_run, train_and_choose_weights
 from train_causal_lm import PaperTrainer
 from train_classifier import (
     CLASSIFICATION_METRICS,
@@ -124,6 +125,9 @@ class ImageDataArguments:
     scale_jitter: float = field(default=0.1, metadata={"help": "Augmentation: zoom by a factor in [1 - s, 1 + s]."})
     translate: float = field(default=0.1, metadata={"help": "Augmentation: shift by up to this share of the image."})
     horizontal_flip: bool = field(default=False, metadata={"help": "Augmentation: mirror half the images."})
+
+    def __post_init__(self):
+        refuse_training_split_as_validation(self.validation_split)
 
 
 def load_image_data(data_args: ImageDataArguments, seed: int) -> tuple[DatasetDict, str]:
@@ -242,6 +246,7 @@ class ImageTrainer(PaperTrainer):
             self.data_collator = evaluation_collator
 
 
+@keeps_the_previous_run
 def main(argv: list[str] | None = None) -> dict[str, float]:
     arguments = parse_script_arguments((ImageModelArguments, ImageDataArguments, FineTuningArguments), argv)
     model_args, data_args, training_args = arguments

@@ -30,7 +30,7 @@ from run_common import (
     schedule_description,
     train_then_evaluate_perplexity,
 )
-from run_control import check_output_dir
+from run_control import check_output_dir, keeps_the_previous_run
 from train_causal_lm import PaperTrainer, PaperTrainingArguments
 from train_tokenizer import train_bpe_tokenizer
 from transformers import (
@@ -68,6 +68,7 @@ def masked_lm_tokenizer(
     return tokenizer
 
 
+@keeps_the_previous_run
 def main(argv: list[str] | None = None) -> dict[str, float]:
     arguments = parse_script_arguments(
         (ModelArguments, MaskedLMDataArguments, PaperTrainingArguments), argv, is_encoder_decoder=False
@@ -85,7 +86,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     else:
         config = new_model_config(model_args, tokenizer, is_encoder_decoder=False, is_decoder=False)
         model = AutoModelForMaskedLM.from_config(config)
-    if len(tokenizer) > model.config.vocab_size:  # a mask token added to a pretrained tokenizer
+    if model_args.model_name_or_path and len(tokenizer) > model.config.vocab_size:  # a mask token added to it
         model.resize_token_embeddings(len(tokenizer))
 
     def tokenize(batch):

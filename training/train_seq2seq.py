@@ -50,7 +50,7 @@ from run_common import (
     save_run,
     schedule_description,
 )
-from run_control import RunArguments, RunTrainerMixin, check_output_dir, train_and_evaluate
+from run_control import RunArguments, RunTrainerMixin, check_output_dir, keeps_the_previous_run, train_and_evaluate
 from train_tokenizer import train_bpe_tokenizer
 from training_batches import BatchingArguments, TrainingBatchesMixin, sequence_slots, token_budget_sampler
 from transformers import (
@@ -137,6 +137,14 @@ class PaperSeq2SeqTrainingArguments(BatchingArguments, RunArguments, NoamArgumen
             "--generation_max_length, when given, wins."
         },
     )
+
+    def __post_init__(self):
+        if self.sortish_sampler:  # transformers' Seq2SeqTrainer reads it no more
+            raise ValueError(
+                "--sortish_sampler does nothing in transformers' Seq2SeqTrainer: for batches of similar lengths pass "
+                "--max_tokens (batches by token budget) or --group_by_length."
+            )
+        super().__post_init__()
 
 
 class PaperSeq2SeqTrainer(
@@ -276,6 +284,7 @@ def check_model_against_the_data(training_args, model, splits: dict, flattened: 
     check_metric_for_best_model(training_args, reported)
 
 
+@keeps_the_previous_run
 def main(argv: list[str] | None = None) -> dict[str, float]:
     arguments = parse_script_arguments((ModelArguments, DataArguments, PaperSeq2SeqTrainingArguments), argv)
     model_args, data_args, training_args = arguments
@@ -371,7 +380,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         train_dataset=splits.get("train"),
         eval_dataset=splits.get("validation"),
         processing_class=tokenizer,
-        data_collator=DataCollatorForSeq2Seq(tokenizer, model=model, pad_to_multiple_of=EVALUATION_MULTIPLE),
+        # Without the model (which shifts the labels itself): the collator is pickled to data-loader workers.
+        data_collator=DataCollatorForSeq2Seq(tokenizer, pad_to_multiple_of=EVALUATION_MULTIPLE),
         train_data_collator=train_collator,
         train_batch_sampler=sampler,
         compute_metrics=translation_metrics(tokenizer) if training_args.predict_with_generate else None,

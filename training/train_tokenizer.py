@@ -11,6 +11,7 @@ Usage (a JSON-lines file with a "text" field, or any text file):
 
 import argparse
 from collections.abc import Iterable
+from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
@@ -20,6 +21,8 @@ SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>",
 
 def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, min_frequency: int = 2) -> PreTrainedTokenizerFast:
     """A shared BPE tokenizer trained on `texts`; special token ids are 0-3 in the order <pad>, <s>, </s>, <unk>."""
+    if min_frequency < 0:
+        raise ValueError(f"min_frequency must be 0 or more, got {min_frequency}.")
     if vocab_size <= len(SPECIAL_TOKENS):
         raise ValueError(f"vocab_size={vocab_size} leaves no room beyond the {len(SPECIAL_TOKENS)} special tokens.")
     tokenizer = Tokenizer(models.BPE(unk_token=SPECIAL_TOKENS["unk_token"]))
@@ -54,6 +57,10 @@ def main() -> None:
     parser.add_argument("--min_frequency", type=int, default=2, help="Minimum pair frequency for a merge.")
     parser.add_argument("--output_dir", required=True, help="Where to save; AutoTokenizer.from_pretrained loads it.")
     args = parser.parse_args()
+    if args.min_frequency < 0:
+        parser.error(f"--min_frequency must be 0 or more, got {args.min_frequency}.")
+    if Path(args.output_dir).exists() and not Path(args.output_dir).is_dir():
+        parser.error(f"--output_dir {args.output_dir} is a file; give a folder.")
     tokenizer = train_bpe_tokenizer(_read_lines(args.files), args.vocab_size, args.min_frequency)
     tokenizer.save_pretrained(args.output_dir)
     print(f"Saved a {len(tokenizer)}-token BPE tokenizer to {args.output_dir}")

@@ -1,7 +1,7 @@
 """Faster training on a CPU: one opt-in switch before the Trainer runs, as `optimize_for_cpu_inference` is for decoding.
 
 ```python
-model = optimize_for_cpu_training(model)   # the same model and checkpoints; a cheaper dropout mask, SDPA's faster kernel
+model = optimize_for_cpu_training(model)  # the same model and checkpoints; a cheaper dropout mask, SDPA's faster kernel
 ```
 
 The model itself uses `nn.Dropout` and transformers' attention functions, as Bart does. Two of PyTorch's CPU choices

@@ -813,24 +813,34 @@ class VanillaTransformerLayer(nn.Module):
     def forward(
         self,
         hidden_states: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
         encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
         encoder_attention_mask: torch.Tensor | None = None,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> torch.Tensor:
         """`kwargs` reach both attentions: the decoder's cache (`past_key_values`), a flattened batch's offsets and
         transformers' attention options. Each connection places the norms around its sub-layer
-        (`SublayerConnection`)."""
+        (`SublayerConnection`). Positional: the tensors gradients flow through (activation checkpointing passes
+        gradients through positional arguments only); the masks by keyword, as transformers' forward hooks (`--debug
+        underflow_overflow`) read every positional input as a number tensor."""
         # Self-attention (§3.2.3): over the whole source in the encoder; in the decoder `attention_mask` is causal,
         # position i sees positions <= i only.
         hidden_states = self.self_attn_connection(
-            hidden_states, self.self_attn, attention_mask, position_embeddings=position_embeddings, **kwargs
+            hidden_states,
+            self.self_attn,
+            attention_mask=attention_mask,
+            position_embeddings=position_embeddings,
+            **kwargs,
         )
         # Encoder-decoder attention: queries from the decoder, keys and values from the encoder output (§3.2.3).
         if encoder_hidden_states is not None:
             hidden_states = self.encoder_attn_connection(
-                hidden_states, self.encoder_attn, encoder_attention_mask, key_value_states=encoder_hidden_states, **kwargs
+                hidden_states,
+                self.encoder_attn,
+                attention_mask=encoder_attention_mask,
+                key_value_states=encoder_hidden_states,
+                **kwargs,
             )
         # Position-wise feed-forward network, or Mixture of Experts (§3.3).
         return self.mlp_connection(hidden_states, self.mlp)
@@ -1064,7 +1074,9 @@ class VanillaTransformerEncoder(VanillaTransformerStack):
                 attention_mask=attention_mask,
                 allow_is_bidirectional_skip=attention_mask is None,  # deciding it from the mask's values would sync
             )
-        hidden_states = self.run_layers(hidden_states, attention_mask, position_embeddings=rotary, **kwargs)
+        hidden_states = self.run_layers(
+            hidden_states, attention_mask=attention_mask, position_embeddings=rotary, **kwargs
+        )
         return self.output_class(last_hidden_state=hidden_states)
 
 
@@ -1160,8 +1172,8 @@ class VanillaTransformerDecoder(VanillaTransformerStack):
                 )
         hidden_states = self.run_layers(
             hidden_states,
-            attention_mask,
             encoder_hidden_states,  # positional: activation checkpointing only passes grads through positionals
+            attention_mask=attention_mask,
             encoder_attention_mask=encoder_attention_mask,
             position_embeddings=rotary,
             past_key_values=cache,

@@ -444,3 +444,23 @@ def test_a_decoder_only_classifier_reads_the_position_ids_it_is_given():
             shifted = model(input_ids=input_ids, position_ids=with_a_gap).logits
         torch.testing.assert_close(counted_from_zero, default)  # no padding: the derived positions are 0, 1, ...
         assert not torch.allclose(shifted, default)
+
+
+def test_transformers_underflow_overflow_debugger_runs_through_training_and_generation():
+    """`--debug underflow_overflow` hooks every module and reads each positional input as a number tensor: the masks
+    go to the layers and attentions by keyword (a bool SDPA mask has no `abs`), so a training step and beam search
+    on a padded batch run under it, with the tokens they give without it."""
+    from transformers.debug_utils import DebugUnderflowOverflow
+
+    torch.manual_seed(0)
+    model = VanillaTransformerForConditionalGeneration(tiny_config())
+    source = torch.randint(3, 64, (2, 7))
+    mask = torch.ones_like(source)
+    mask[1, 4:] = 0
+    options = dict(attention_mask=mask, num_beams=2, max_new_tokens=5, min_new_tokens=5, do_sample=False)
+    with torch.no_grad():
+        expected = model.eval().generate(source, **options)
+    DebugUnderflowOverflow(model)
+    model.train()(input_ids=source, attention_mask=mask, labels=torch.randint(3, 64, (2, 5))).loss.backward()
+    with torch.no_grad():
+        assert torch.equal(model.eval().generate(source, **options), expected)

@@ -32,7 +32,11 @@ from torch.optim.lr_scheduler import LambdaLR  # noqa: E402
 from transformers import HfArgumentParser, PreTrainedTokenizerBase, Trainer, set_seed  # noqa: E402
 from transformers.distributed import DistributedConfig  # noqa: E402
 
-from hf_vanilla_transformer import VanillaTransformerConfig, VanillaTransformerPreTrainedModel  # noqa: E402
+from hf_vanilla_transformer import (  # noqa: E402
+    VanillaTransformerConfig,
+    VanillaTransformerPreTrainedModel,
+    optimize_for_cpu_training,
+)
 from hf_vanilla_transformer.configuration_vanilla_transformer import PRESETS  # noqa: E402
 from hf_vanilla_transformer.model_card_vanilla_transformer import write_model_card  # noqa: E402
 
@@ -253,11 +257,14 @@ class ModelLossMixin(Trainer):
     the logits' dtype (bfloat16 under --bf16), and shifting them for the causal LMs it knows by name only. Given its
     labels, our model's loss runs in float32 and its causal LM scores the next token; the loss is the same. A training
     step reads only the loss, so it asks our language models for no logits (`skip_logits`, the flag the Trainer gives
-    Liger-kernel models). Other models (HF Marian computes its loss without `loss_function`) keep the Trainer's way."""
+    Liger-kernel models). Other models (HF Marian computes its loss without `loss_function`) keep the Trainer's way.
+    On a CPU our models train through `optimize_for_cpu_training` (a cheaper dropout mask, SDPA's faster kernel)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         ours = isinstance(self.model, VanillaTransformerPreTrainedModel)
+        if ours and self.args.device.type == "cpu":
+            optimize_for_cpu_training(self.model)
         if ours and self.label_smoother is not None:  # each head calls its loss with its own arguments
             self.model.loss_function = label_smoothed_loss(self.label_smoother.epsilon, self.model.loss_type)
             self.label_smoother = None

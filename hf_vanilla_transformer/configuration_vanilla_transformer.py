@@ -480,6 +480,13 @@ class VanillaTransformerConfig(PreTrainedConfig):
                     f"position_embedding_type='rope' needs an even head size; d_model={self.d_model} / {name}={heads} "
                     "is odd."
                 )
+            dynamic_rope = self.position_embedding_type == "rope" and self.rope_parameters["rope_type"] == "dynamic"
+            if dynamic_rope and self.d_model // heads <= 2:  # its base grows as a power dim / (dim - 2)
+                raise ValueError(
+                    "rope_parameters rope_type='dynamic' needs a head size above 2 (transformers' NTK scaling raises "
+                    f"the base to dim / (dim - 2)); d_model={self.d_model} / {name}={heads} gives "
+                    f"{self.d_model // heads}."
+                )
             if given_key_value_heads is not None and heads % given_key_value_heads:
                 raise ValueError(f"{name}={heads} is not divisible by num_key_value_heads={given_key_value_heads}.")
         if "decoder" in self.stacks and self.decoder_layers == 0:

@@ -58,7 +58,9 @@ def valid_fields(draw) -> dict[str, Any]:
     is_encoder_decoder, is_decoder = draw(st.booleans()), draw(st.booleans())
     used = ("encoder", "decoder") if is_encoder_decoder else ("decoder",) if is_decoder else ("encoder",)
     position = draw(st.sampled_from(["sinusoidal", "learned", "rope", "none"]))
-    head_dim = draw(st.sampled_from([2, 4, 6] if position == "rope" else [1, 2, 3, 4]))
+    rope_parameters = draw(rope_scalings())
+    dynamic_rope = position == "rope" and (rope_parameters or {}).get("rope_type") == "dynamic"
+    head_dim = draw(st.sampled_from([4, 6] if dynamic_rope else [2, 4, 6] if position == "rope" else [1, 2, 3, 4]))
     d_model = 4 * head_dim  # divisible by every head count a used stack draws
     # A stack the model does not run may have any positive head count.
     heads = {
@@ -101,7 +103,7 @@ def valid_fields(draw) -> dict[str, Any]:
         position_embedding_type=position,
         sinusoidal_layout=draw(st.sampled_from(["interleaved", "concatenated"])),
         rope_theta=draw(at_least(1.0, 1e7)),  # the keyword of earlier versions: it goes into rope_parameters
-        rope_parameters=draw(rope_scalings()),
+        rope_parameters=rope_parameters,
         scale_embedding=draw(st.booleans()),
         share_encoder_decoder_embeddings=draw(st.booleans()),
         tie_word_embeddings=draw(st.booleans()),

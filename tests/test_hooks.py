@@ -87,7 +87,8 @@ def private_attributes_in(tree: ast.Module) -> set[tuple[str, ...]]:
     for node in ast.walk(tree):
         if not isinstance(node, ast.Attribute):
             continue
-        if isinstance(node.value, ast.Name) and node.value.id == "torch" and node.attr.startswith("_"):
+        private = node.attr.startswith("_") and not node.attr.startswith("__")  # `torch.__version__` is public
+        if isinstance(node.value, ast.Name) and node.value.id == "torch" and private:
             found.add((f"torch.{node.attr}",))
         elif node.attr in MODULE_INTERNALS:
             found.add((f"nn.Module.{node.attr}",))

@@ -166,3 +166,12 @@ def test_the_ctranslate2_export_refuses_scaled_rope() -> None:
     scaled = tiny_config(position_embedding_type="rope", rope_parameters={"rope_type": "linear", "factor": 2})
     with pytest.raises(ValueError, match="rope_parameters"):
         check_exportable(scaled)
+
+
+def test_dynamic_rope_needs_a_head_size_above_two():
+    """transformers' dynamic (NTK) scaling divides by head size - 2: refused by name at construction."""
+    with pytest.raises(CONFIG_ERRORS, match="rope_parameters rope_type='dynamic' needs a head size above 2"):
+        VanillaTransformerConfig(
+            d_model=8, encoder_attention_heads=4, decoder_attention_heads=4, position_embedding_type="rope",
+            rope_parameters={"rope_type": "dynamic", "factor": 2.0},
+        )

@@ -16,6 +16,7 @@ import copy
 from pathlib import Path
 
 import torch
+from bf16_training import training_step
 from marian_twin import build_pair
 from measure import environment, time_alternating, write_results
 from run_benchmarks import padded_to, random_batch, random_lengths
@@ -38,20 +39,6 @@ def flattened_batch(model, batch: int, length: int) -> dict:
         for source, s, target, t in zip(sources, source_lengths, targets, target_lengths)
     ]
     return DataCollatorForSeq2SeqWithFlattening(model)(features)
-
-
-def training_step(model, batch: dict, bf16: bool):
-    model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-
-    def step():
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            loss = model(**batch).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    return step
 
 
 def main() -> None:

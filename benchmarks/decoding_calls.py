@@ -13,6 +13,7 @@ The target (the project's issue 55): calls per token within 10 % of Marian's. Th
 not vary from run to run on one set of releases. Time is measured by run_benchmarks.py (`--sections decode`).
 """
 
+import argparse
 import collections
 import inspect
 import json
@@ -100,6 +101,9 @@ CASES = {
 
 
 def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--output", type=Path, default=Path(__file__).parent / "results" / "decoding-calls.json")
+    args = parser.parse_args()
     marian, twin = marian_and_twin()
     rows = {}
     for name, (batch, options) in CASES.items():
@@ -117,7 +121,7 @@ def main() -> int:
         ours, theirs = row["ours"], row["marian"]
         generation = f"{ours.get('generation', 0):.0f} / {theirs.get('generation', 0):.0f}"
         print(f"{name:32} {ours['all']:8.0f} {theirs['all']:8.0f} {row['ratio_all']:6.3f} {generation:>24}")
-    output = Path(__file__).parent / "results" / "decoding-calls.json"
+    output = args.output
     versions = {"torch": torch.__version__, "transformers": transformers.__version__}
     output.write_text(json.dumps({**versions, "rows": rows}, indent=2) + "\n")
     print(f"wrote {output}")

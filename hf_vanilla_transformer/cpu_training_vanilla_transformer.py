@@ -90,10 +90,12 @@ class CpuDropout(nn.Dropout):
 
 def sdpa_cpu_training_attention(module, query, key, value, attention_mask, **kwargs):
     """transformers' SDPA attention, under PyTorch's math kernel where that is the faster one: bfloat16/float16 with
-    gradients on a CPU, at sequences (the lengths the kernel sees) up to `SHORT_SEQUENCE_ON_CPU`."""
+    gradients on a CPU, at sequences (the lengths the kernel sees) up to `SHORT_SEQUENCE_ON_CPU`, outside
+    torch.compile."""
     sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
     short_half_precision_training = (
-        query.device.type == "cpu"
+        not is_torchdynamo_compiling()  # torch.compile lowers attention its own way
+        and query.device.type == "cpu"
         and query.dtype in (torch.bfloat16, torch.float16)
         and torch.is_grad_enabled()
         and max(query.shape[2], key.shape[2]) <= SHORT_SEQUENCE_ON_CPU

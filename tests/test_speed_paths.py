@@ -127,3 +127,23 @@ def test_skip_logits_in_the_masked_lm():
     full, skipped = (model(input_ids=input_ids, labels=labels, skip_logits=skip) for skip in (False, True))
     assert skipped.logits is None
     torch.testing.assert_close(full.loss, skipped.loss, rtol=0, atol=0)
+
+
+def test_the_cpu_training_opt_in_compiles_whole():
+    """`optimize_for_cpu_training`'s dropout and attention leave torch.compile its own lowering: a bfloat16 training
+    step with dropout compiles with `fullgraph=True` (a graph break would raise) and trains; without dropout it gives
+    the eager step's loss."""
+    torch.manual_seed(0)
+    model = VanillaTransformerForConditionalGeneration(tiny_config(dropout=0.1)).train()
+    optimize_for_cpu_training(model)
+    batch = dict(input_ids=torch.randint(3, 64, (2, 7)), labels=torch.randint(3, 64, (2, 5)))
+    compiled_model = torch.compile(model, fullgraph=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = compiled_model(**batch).loss
+    loss.backward()
+    assert loss.isfinite() and all(p.grad is None or p.grad.isfinite().all() for p in model.parameters())
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.testing.assert_close(compiled_model(**batch).loss, model(**batch).loss, rtol=2e-2, atol=2e-2)

@@ -86,8 +86,7 @@ def int8_group(models: dict, folder: Path) -> dict[str, Callable[[], object]]:
         for name in MODEL_CLASSES:
             load = functools.partial(torchao_loaded, name, folder, config_name)
             group[f"{name}_torchao_{config_name}_eager"] = load
-            if name == "ours":  # Marian's compiled twins compile as ours do (1.0x of ours in a smoke run): time saved
-                group[f"{name}_torchao_{config_name}_compile"] = lambda load=load: compiled(load())
+            group[f"{name}_torchao_{config_name}_compile"] = lambda load=load: compiled(load())
     return group
 
 

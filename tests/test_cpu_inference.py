@@ -186,3 +186,23 @@ def test_without_the_onednn_op_products_fall_back_to_f_linear(reload_with_change
         )
     beam_tokens = generated(optimized, input_ids, attention_mask, 4)
     assert torch.equal(beam_tokens, generated(model, input_ids, attention_mask, 4))
+
+
+@pytest.mark.parametrize("precision", ["float32", "bfloat16", "int8"])
+def test_no_deprecation_warning_from_torch(precision):
+    """The CPU paths call no deprecated torch API (its eager dynamic quantization warns from torch 2.14 on): optimizing
+    and decoding with greedy and beam search warn of nothing deprecated on the installed torch."""
+    import warnings
+
+    input_ids, attention_mask = padded_batch()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, optimized = model_and_optimized(precision)
+        for num_beams in (1, 2):
+            generated(optimized, input_ids, attention_mask, num_beams)
+    # torch 2.15 says it in a UserWarning ("... quantized tensor creation functions ... are deprecated").
+    deprecations = [
+        str(w.message) for w in caught if issubclass(w.category, (DeprecationWarning, FutureWarning))
+        or "deprecat" in str(w.message).lower()
+    ]  # fmt: skip
+    assert not deprecations, deprecations

@@ -335,10 +335,11 @@ class SublayerConnection(nn.Module):
         self.dropout = nn.Dropout(config.dropout)
         self.residual_scale = residual_scale
 
-    def forward(self, hidden_states: torch.Tensor, sublayer: nn.Module, *args, **kwargs) -> torch.Tensor:
-        """The stream after `sublayer`, called on the stream (normalised where the norm comes first) and `args`,
-        `kwargs`; of an attention's (output, weights) the output (the weights are recorded on the attention)."""
-        output = sublayer(self.norm(hidden_states) if self.norm_first else hidden_states, *args, **kwargs)
+    def forward(self, hidden_states: torch.Tensor, sublayer: nn.Module, **kwargs) -> torch.Tensor:
+        """The stream after `sublayer`, called on the stream (normalised where the norm comes first) and `kwargs`
+        (by keyword: forward hooks read positional inputs as number tensors); of an attention's (output, weights) the
+        output (the weights are recorded on the attention)."""
+        output = sublayer(self.norm(hidden_states) if self.norm_first else hidden_states, **kwargs)
         output = output[0] if isinstance(output, tuple) else output
         if self.sandwich_norm is not None:
             output = self.sandwich_norm(output)

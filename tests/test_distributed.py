@@ -36,6 +36,7 @@ from hf_vanilla_transformer import VanillaTransformerForConditionalGeneration
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "training" / "train_seq2seq.py"
+ENDED_RANK = Path(__file__).with_name("ended_rank.py")  # each rank must leave its process group before it exits
 sys.path.insert(0, str(SCRIPT.parent))
 
 import train_seq2seq  # noqa: E402
@@ -96,9 +97,10 @@ def launch_environment(config_file: Path, num_processes: int) -> dict[str, str]:
 
 
 def run_fsdp_ranks(argv: list[str], log_dir: Path, num_processes: int = 2, config: Path = FSDP_CONFIG) -> None:
-    """The training script as the ranks `accelerate launch --config_file config` (FSDP2 by default) would start."""
+    """The training script as the ranks `accelerate launch --config_file config` (FSDP2 by default) would start; each
+    rank fails if the script leaves its process group alive."""
     env = launch_environment(config, num_processes)
-    run_ranks([str(SCRIPT), *argv], log_dir, RANK_TIMEOUT_S, num_processes, env)
+    run_ranks([str(ENDED_RANK), str(SCRIPT), *argv], log_dir, RANK_TIMEOUT_S, num_processes, env)
 
 
 def logged(run_dir: Path, key: str) -> list[float]:

@@ -758,6 +758,17 @@ def save_run(trainer: Trainer, metrics: dict[str, float], dataset: str, card_arg
         json.dump(metrics, file, indent=2)
 
 
+def finish_run(trainer: Trainer) -> None:
+    """Push to the Hub if asked, then end the job as accelerate asks every script to (`end_training`): the ranks wait
+    for the main one's writes and leave the process group together. A rank that exits with its process group alive
+    can abort while its communication threads are torn down (seen in CI on gloo: "terminate called without an
+    active exception", which ended the other rank while it wrote the model)."""
+    if trainer.args.push_to_hub:
+        trainer.push_to_hub()
+    trainer.accelerator.wait_for_everyone()
+    trainer.accelerator.end_training()
+
+
 @dataclass
 class TextDataArguments:
     """Where the texts of the masked-LM and classifier scripts come from, and how long they may be."""

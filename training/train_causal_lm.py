@@ -26,6 +26,7 @@ from run_common import (
     check_batches,
     check_metric_for_best_model,
     check_positions,
+    finish_run,
     load_local_files,
     new_model_config,
     parse_script_arguments,
@@ -193,8 +194,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     }
     description = "Trained with `training/train_causal_lm.py` of hf_vanilla_transformer."
     save_run(trainer, metrics, dataset_label, dict(training_args=recipe, description=description))
-    if training_args.push_to_hub:
-        trainer.push_to_hub()
+    finish_run(trainer)
     return metrics
 
 

@@ -27,6 +27,7 @@ from run_common import (
     check_metric_for_best_model,
     check_predictions_kept,
     check_text_positions,
+    finish_run,
     load_text_data,
     new_model_config,
     parse_script_arguments,
@@ -264,8 +265,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             training_args=recipe,
             description=description,
         )
-    if training_args.push_to_hub:
-        trainer.push_to_hub()
+    finish_run(trainer)
     return metrics
 
 

@@ -35,6 +35,7 @@ from run_common import (
     check_metric_for_best_model,
     check_predictions_kept,
     config_errors_named,
+    finish_run,
     parse_config_overrides,
     parse_script_arguments,
     plot_training_curves,
@@ -337,8 +338,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             training_args=recipe,
             description=description,
         )
-    if training_args.push_to_hub:
-        trainer.push_to_hub()
+    finish_run(trainer)
     return metrics
 
 

@@ -21,6 +21,7 @@ from run_common import (
     check_batches,
     check_metric_for_best_model,
     check_text_positions,
+    finish_run,
     load_text_data,
     new_model_config,
     parse_script_arguments,
@@ -124,8 +125,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     }
     description = "Pretrained as a masked language model with `training/train_masked_lm.py` of hf_vanilla_transformer."
     save_run(trainer, metrics, dataset_label, dict(training_args=recipe, description=description))
-    if training_args.push_to_hub:
-        trainer.push_to_hub()
+    finish_run(trainer)
     return metrics
 
 

@@ -41,6 +41,7 @@ from run_common import (
     check_batches,
     check_metric_for_best_model,
     check_positions,
+    finish_run,
     load_local_files,
     longest,
     new_model_config,
@@ -426,8 +427,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             "weights; BLEU is sacreBLEU's default (cased, 13a tokenization), bleu_lowercase the same lowercased."
         )
     save_run(trainer, metrics, dataset_label, dict(training_args=recipe, language=language, description=description))
-    if training_args.push_to_hub:
-        trainer.push_to_hub()
+    finish_run(trainer)
     return metrics
 
 

@@ -35,6 +35,10 @@ from .modeling_vanilla_transformer import (
 )
 from .router_losses_vanilla_transformer import RouterRequest
 
+# transformers lets `set_experts_implementation` and `from_pretrained(experts_implementation=...)` switch the experts
+# kernel of a model whose class is defined in a module that uses `@use_experts_implementation`. The heads here run the
+# experts of modeling_vanilla_transformer, which that decorator declares; this line declares them in this module too.
+
 
 def runs_causal_decoder(config: VanillaTransformerConfig) -> bool:
     """Whether a single-stack head on `config` runs the causal decoder: the config of a decoder-only checkpoint."""

@@ -101,12 +101,6 @@ HOOKS: dict[str, Hook] = {
             "an encoder-decoder ties its embeddings as tie_word_embeddings says: one whose "
             "share_encoder_decoder_embeddings differs is refused",
         ),
-        pretrained_model_hook(
-            "_can_set_experts_implementation",
-            (),
-            "a head (defined beside the modeling file) may be refused another experts implementation; the base "
-            "model and the stacks are not",
-        ),
         Hook(
             "transformers.utils.output_capturing",
             "capture_outputs",

@@ -44,6 +44,10 @@ from .modeling_vanilla_transformer import (
 from .packing_vanilla_transformer import shift_packed_labels
 from .router_losses_vanilla_transformer import RouterRequest
 
+# transformers lets `set_experts_implementation` and `from_pretrained(experts_implementation=...)` switch the experts
+# kernel of a model whose class is defined in a module that uses `@use_experts_implementation`. The heads here run the
+# experts of modeling_vanilla_transformer, which that decorator declares; this line declares them in this module too.
+
 
 def require_encoder_decoder(config: VanillaTransformerConfig) -> None:
     """The encoder-decoder head needs an encoder-decoder config: a decoder-only or encoder-only checkpoint would load

@@ -26,6 +26,7 @@ from hf_vanilla_transformer import (
     VanillaTransformerForCausalLM,
     VanillaTransformerForConditionalGeneration,
     VanillaTransformerForMaskedLM,
+    VanillaTransformerForImageClassification,
     VanillaTransformerForSequenceClassification,
 )
 from hf_vanilla_transformer.modeling_vanilla_transformer import (
@@ -214,6 +215,31 @@ EXPERTS_FUNCTIONS = {
     "grouped_mm": grouped_mm_experts_forward,
     SORTED_GROUPED_MM: sorted_grouped_mm_experts_forward,
 }
+
+
+HEADS_WITH_EXPERTS = {
+    "seq2seq": lambda: VanillaTransformerForConditionalGeneration(moe_config()),
+    "causal LM": lambda: VanillaTransformerForCausalLM(moe_config(is_encoder_decoder=False, is_decoder=True)),
+    "masked LM": lambda: VanillaTransformerForMaskedLM(moe_config(is_encoder_decoder=False)),
+    "classifier": lambda: VanillaTransformerForSequenceClassification(moe_config(is_encoder_decoder=False)),
+    "image classifier": lambda: VanillaTransformerForImageClassification(
+        moe_config(is_encoder_decoder=False, image_size=8, patch_size=2, num_labels=3)
+    ),
+}
+
+
+@pytest.mark.parametrize("head", list(HEADS_WITH_EXPERTS))
+def test_every_head_switches_its_experts_implementation(head):
+    """Each head, whatever module defines it, takes another experts implementation by name, as its experts run it."""
+    model = HEADS_WITH_EXPERTS[head]()
+    for implementation in ("grouped_mm", "eager", SORTED_GROUPED_MM):
+        model.set_experts_implementation(implementation)
+        assert model.config._experts_implementation == implementation
+        assert all(
+            module.config._experts_implementation == implementation
+            for module in model.modules()
+            if isinstance(module, VanillaTransformerExperts)
+        )
 
 
 @pytest.mark.parametrize("implementation", ["eager", *EXPERTS_FUNCTIONS, None])

@@ -1,11 +1,11 @@
 """Faster training on a CPU: one opt-in switch before the Trainer runs, as `optimize_for_cpu_inference` is for decoding.
 
 ```python
-model = optimize_for_cpu_training(model)  # the same model and checkpoints; a cheaper dropout mask, SDPA's faster kernel
+model = optimize_for_cpu_training(model)  # the same model and checkpoints; cheaper dropout masks and attention
 ```
 
-The model itself uses `nn.Dropout` and transformers' attention functions, as Bart does. Two of PyTorch's CPU choices
-cost a small model's training step more than they need to, and this switch changes them:
+The model itself uses `nn.Dropout` and transformers' attention functions, as Bart does. Three things cost a small
+model's training step on a CPU more than they need to, and this switch changes them:
 
 * **Dropout masks** (§5.4 of the paper). PyTorch draws a CPU dropout mask with MKL's vectorised Bernoulli sampler only
   on Intel CPUs. On every other CPU (AMD, Arm) it takes one Mersenne-Twister draw and one comparison in double
@@ -17,6 +17,11 @@ cost a small model's training step more than they need to, and this switch chang
   flash kernel on a CPU, up to 2.9x slower than its math kernel at sequences up to `SHORT_SEQUENCE_ON_CPU`. The switch
   registers transformers' SDPA function under the name `CPU_TRAINING_ATTENTION`, restricted to the math kernel there,
   and sets it on the model (`set_attn_implementation`), with SDPA's masks.
+* **Attention over flattened batches** (the training scripts' layout on a CPU, packing_vanilla_transformer). No
+  variable-length kernel runs on a CPU, so the model's stacks run attention under a block mask over every pair of a
+  row's tokens: for a batch of many short sentences, most of the scores are masked out, and attention became a fifth
+  of the step. The same registered function is a variable-length kernel (`sequence_grid_attention`): it takes the
+  offsets and runs each sequence in a row of a padded grid, at the cost of the sequences' own lengths.
 
 What it gains on a training step is measured in docs/benchmarks.md ("CPU training: the opt-in"). Saving and loading
 are unchanged: the modules' names and weights are the model's, and the attention implementation is not saved.
@@ -89,21 +94,77 @@ class CpuDropout(nn.Dropout):
 
 
 def sdpa_cpu_training_attention(module, query, key, value, attention_mask, **kwargs):
-    """transformers' SDPA attention, under PyTorch's math kernel where that is the faster one: bfloat16/float16 with
-    gradients on a CPU, at sequences (the lengths the kernel sees) up to `SHORT_SEQUENCE_ON_CPU`, outside
-    torch.compile."""
+    """transformers' SDPA attention, sequence by sequence over a flattened batch (`sequence_grid_attention`, given
+    the offsets), under PyTorch's math kernel where that is the faster one (`math_kernel_is_faster`)."""
+    if kwargs.get("cu_seq_lens_q") is not None:
+        return sequence_grid_attention(module, query, key, value, **kwargs)
     sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
-    short_half_precision_training = (
-        not is_torchdynamo_compiling()  # torch.compile lowers attention its own way
+    if not math_kernel_is_faster(query, key):
+        return sdpa(module, query, key, value, attention_mask, **kwargs)
+    with sdpa_kernel(SDPBackend.MATH):
+        return sdpa(module, query, key, value, attention_mask, **kwargs)
+
+
+def math_kernel_is_faster(query: torch.Tensor, key: torch.Tensor) -> bool:
+    """bfloat16/float16 with gradients on a CPU, at sequences (the lengths the kernel sees) up to
+    `SHORT_SEQUENCE_ON_CPU`, outside torch.compile (which lowers attention its own way)."""
+    return (
+        not is_torchdynamo_compiling()
         and query.device.type == "cpu"
         and query.dtype in (torch.bfloat16, torch.float16)
         and torch.is_grad_enabled()
         and max(query.shape[2], key.shape[2]) <= SHORT_SEQUENCE_ON_CPU
     )
-    if not short_half_precision_training:
-        return sdpa(module, query, key, value, attention_mask, **kwargs)
-    with sdpa_kernel(SDPBackend.MATH):
-        return sdpa(module, query, key, value, attention_mask, **kwargs)
+
+
+def sequence_grid_attention(
+    module, query, key, value, dropout=0.0, scaling=None, *, cu_seq_lens_q, cu_seq_lens_k,
+    max_length_q, max_length_k, **kwargs
+) -> tuple[torch.Tensor, None]:
+    """Attention over a flattened batch without a variable-length kernel, at the cost of its sequences: each
+    sequence's queries, keys and values gathered into a row of a (sequences, longest) grid, SDPA over the grid under
+    its padding mask (causal too for a module with `is_causal`, each sequence aligned at its start as §3.2.3's mask),
+    and the outputs gathered back to their tokens. It scores the sum of the squared sequence lengths per head, where
+    the model's block mask scores every pair of a row's tokens: on a CPU, where no kernel takes the offsets, this is
+    the variable-length kernel. query (rows, heads, row_length, head_dim), key and value (rows, kv_heads,
+    source_row_length, head_dim) -> (rows, row_length, heads, head_dim), as transformers' SDPA returns it."""
+    rows, row_length = query.shape[0], query.shape[2]
+    query_places, _ = sequence_grid(cu_seq_lens_q, max_length_q, rows * row_length)
+    key_places, key_seen = sequence_grid(cu_seq_lens_k, max_length_k, key.shape[0] * key.shape[2])
+    visible = key_seen[:, None, :].expand(-1, max_length_q, -1)
+    if module.is_causal:
+        visible = visible.tril()
+    # A query that sees no key (a grid place past its sequence's end, an empty sequence) sees all of them instead:
+    # its output is never read, and a softmax over no key would be NaN, and so would every gradient through it.
+    visible = visible | ~visible.any(-1, keepdim=True)
+
+    def on_grid(tensor: torch.Tensor, places: torch.Tensor) -> torch.Tensor:  # (sequences, heads, longest, head_dim)
+        return tensor.transpose(0, 1).flatten(1, 2)[:, places].transpose(0, 1)
+
+    output = torch.nn.functional.scaled_dot_product_attention(
+        on_grid(query, query_places),
+        on_grid(key, key_places),
+        on_grid(value, key_places),
+        attn_mask=visible[:, None],
+        dropout_p=dropout,
+        scale=scaling,
+        enable_gqa=key.shape[1] != query.shape[1],
+    )
+    # Back to the tokens, each from its place in the grid (its sequence's row, its position in the sequence).
+    tokens = torch.arange(rows * row_length, device=cu_seq_lens_q.device)
+    starts = cu_seq_lens_q.long()
+    sequence_of_token = torch.searchsorted(starts[1:], tokens, right=True)
+    grid_place = sequence_of_token * max_length_q + tokens - starts[sequence_of_token]
+    output = output.transpose(1, 2).flatten(0, 1)[grid_place]
+    return output.view(rows, row_length, *output.shape[1:]), None
+
+
+def sequence_grid(cu_seq_lens: torch.Tensor, longest: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sequences, longest) grids over a side's flattened tokens, from its offsets: each place's token index (places
+    past a sequence's end repeat a valid token) and whether the place holds one of the sequence's tokens."""
+    starts, lengths = cu_seq_lens[:-1].long(), (cu_seq_lens[1:] - cu_seq_lens[:-1]).long()
+    positions = torch.arange(longest, device=cu_seq_lens.device)
+    return (starts[:, None] + positions).clamp(max=tokens - 1), positions < lengths[:, None]
 
 
 def optimize_for_cpu_training(model: PreTrainedModel) -> PreTrainedModel:

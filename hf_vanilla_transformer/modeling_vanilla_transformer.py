@@ -761,7 +761,7 @@ class VanillaTransformerAttention(nn.Module):
         if kwargs.get("cu_seq_lens_q") is not None:  # a flattened batch that a variable-length kernel runs
             if not self.is_cross_attention:  # self-attention: the keys are the queries' own sequences
                 kwargs = {**kwargs, "cu_seq_lens_k": kwargs["cu_seq_lens_q"], "max_length_k": kwargs["max_length_q"]}
-            if self.config._attn_implementation not in VARLEN_IMPLEMENTATIONS:  # transformers' flash reads them
+            if self.config._attn_implementation not in VARLEN_IMPLEMENTATIONS:  # these read the offsets themselves
                 attention_interface = varlen_attention
         attn_output, attn_weights = attention_interface(
             self,
@@ -878,15 +878,6 @@ class VanillaTransformerPreTrainedModel(LoadSaveShardMixin, PreTrainedModel):
     # Each `forward` is annotated with its dense output class: transformers' tests read the annotation to tell whether
     # a class returns router logits, and one class serves dense and MoE configs. With experts the forward returns the
     # MoE output class named beside the annotation.
-
-    @overrides("PreTrainedModel._can_set_experts_implementation")
-    @classmethod
-    def _can_set_experts_implementation(cls) -> bool:
-        # transformers reads the module that defines `cls` for "@use_experts_implementation": the classes of this
-        # module, beside the experts, pass its check unaided. The heads are defined in sibling modules and run these
-        # experts, so they take this module's answer from the same check; without it a head's
-        # `set_experts_implementation` keeps the old function silently and `from_pretrained` refuses "grouped_mm".
-        return PreTrainedModel._can_set_experts_implementation.__func__(VanillaTransformerPreTrainedModel)
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:

@@ -15,8 +15,9 @@ CPU, once per batch, by a collator, and travel as transformers passes them, in t
 
 Each stack decides once per forward how its attention runs over them (`varlen_kernel`): where a
 variable-length kernel runs, the offsets go on in the keyword arguments to the attention function, which is
-transformers' flash integration (`attn_implementation="flash_attention_2"` and later) or torch's `varlen_attn`
-(`varlen_attention`, for an "sdpa" model on CUDA in half precision); elsewhere the stack builds one block mask per
+transformers' flash integration (`attn_implementation="flash_attention_2"` and later), torch's `varlen_attn`
+(`varlen_attention`, for an "sdpa" model on CUDA in half precision) or, on a CPU after `optimize_for_cpu_training`,
+its sequence grid (cpu_training_vanilla_transformer); elsewhere the stack builds one block mask per
 kind of attention (`block_attention_masks`: a key is visible to the queries of its own sequence), and the config's
 attention function runs under it as over a padded batch's rows.
 """
@@ -25,6 +26,7 @@ import inspect
 
 import torch
 
+from .cpu_training_vanilla_transformer import CPU_TRAINING_ATTENTION
 from .inputs_vanilla_transformer import IGNORE_INDEX
 
 try:  # torch >= 2.9; CUDA only
@@ -46,15 +48,16 @@ def varlen_signature(kernel) -> str | None:
 
 VARLEN_SIGNATURE = varlen_signature(varlen_attn)
 
-# The attention implementations of transformers that run packed sequences themselves, from the offsets.
-VARLEN_IMPLEMENTATIONS = ("flash_attention_2", "flash_attention_3", "flash_attention_4")
+# The attention implementations that run packed sequences themselves, from the offsets: transformers' flash
+# integration, and the sequence grid that `optimize_for_cpu_training` registers.
+VARLEN_IMPLEMENTATIONS = ("flash_attention_2", "flash_attention_3", "flash_attention_4", CPU_TRAINING_ATTENTION)
 
 
 def varlen_kernel(
     attn_implementation: str | None, device: torch.device | str, dtype: torch.dtype, dropout: float = 0.0
 ) -> str | None:
     """What runs attention over a flattened batch, for a model of `attn_implementation` on `device` in `dtype` with
-    attention dropout `dropout`: transformers' flash integration where the implementation is one, else "torch"
+    attention dropout `dropout`: the implementation where it is one of `VARLEN_IMPLEMENTATIONS`, else "torch"
     (`varlen_attn`: CUDA, half precision, no dropout), or None where none does (CPU, float32, attention dropout): the
     block mask. The one place that decides: each stack asks it once per forward, the collator to choose the layout."""
     if attn_implementation in VARLEN_IMPLEMENTATIONS:

@@ -29,6 +29,7 @@ from hf_vanilla_transformer import (
     VanillaTransformerForTokenClassification,
 )
 from hf_vanilla_transformer import packing_vanilla_transformer as packing
+from hf_vanilla_transformer.cpu_training_vanilla_transformer import optimize_for_cpu_training, sequence_grid_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from aten_op_counts import OpNames, per_sequence_attention, varlen_kernel_stand_in  # noqa: E402
@@ -319,6 +320,67 @@ def test_packed_attention_equals_attention_per_sequence(kind, implementation, em
     assert all(tensor.grad.isfinite().all() for tensor in inputs)
 
 
+@pytest.mark.parametrize("empty_sequence", [False, True])
+@pytest.mark.parametrize("kind", ["causal self", "bidirectional self", "cross", "grouped kv"])
+def test_the_cpu_opt_ins_sequence_grid_equals_attention_per_sequence(kind, empty_sequence):
+    """`optimize_for_cpu_training`'s attention over the offsets (each sequence in a row of a padded grid) against
+    torch's SDPA run on each sequence alone; empty sequences change nothing and leave the gradient finite."""
+    module, query, key, value, queries, keys = attention_case(kind, "sdpa", empty_sequence)
+    inputs = [tensor.requires_grad_() for tensor in heads_first(query, key, value)]
+    longest = {side: int((offsets[1:] - offsets[:-1]).max()) for side, offsets in (("q", queries), ("k", keys))}
+    output, _ = sequence_grid_attention(
+        module, *inputs, scaling=0.3, cu_seq_lens_q=queries, cu_seq_lens_k=keys,
+        max_length_q=longest["q"], max_length_k=longest["k"],
+    )  # fmt: skip
+    expected = per_sequence_attention(query, key, value, queries, keys, 0.3, kind == "causal self")
+    torch.testing.assert_close(output[0], expected, rtol=1e-5, atol=1e-6)
+    output.sum().backward()
+    assert all(tensor.grad.isfinite().all() for tensor in inputs)
+
+
+@pytest.mark.parametrize(
+    "layout", [{}, {"pad_to_multiple_of": 16, "num_sequences": 5}, {"row_length": 12}], ids=["flat", "slots", "rows"]
+)
+@pytest.mark.parametrize("variant", ["paper", "pre-rmsnorm-rope-swiglu-gqa"])
+def test_the_cpu_opt_in_trains_flattened_translation_batches_as_the_padded_batch(variant, layout):
+    """After `optimize_for_cpu_training` a flattened batch's attention runs sequence by sequence from the offsets
+    (no block mask): loss and every gradient are still the padded batch's, in each layout the collator makes."""
+    model = optimize_for_cpu_training(build(VanillaTransformerForConditionalGeneration, **VARIANTS[variant]))
+    assert packing.varlen_kernel(model.config._attn_implementation, "cpu", torch.float32) is not None
+    features = translation_features()
+    batch = DataCollatorForSeq2SeqWithFlattening(model, **layout)(features)
+    assert_same_step(model, batch, padded_translation_batch(features, model))
+
+
+@pytest.mark.parametrize("model_class", [VanillaTransformerForCausalLM, VanillaTransformerForMaskedLM])
+def test_the_cpu_opt_in_trains_flattened_single_stack_batches_as_the_padded_batch(model_class):
+    """The same for transformers' `DataCollatorWithFlattening` batches: causal (decoder-only) and bidirectional
+    (encoder-only) attention per sequence."""
+    stack = dict(is_decoder=True) if model_class is VanillaTransformerForCausalLM else {}
+    model = optimize_for_cpu_training(build(model_class, is_encoder_decoder=False, **stack))
+    flattened, padded_batch = causal_lm_batches()
+    if model_class is VanillaTransformerForMaskedLM:  # every real token labelled with itself, in both layouts
+        flattened["labels"] = flattened["input_ids"]
+        padded_batch["labels"] = padded_batch["input_ids"].masked_fill(padded_batch["attention_mask"] == 0, -100)
+    assert_same_step(model, flattened, padded_batch)
+
+
+def test_the_cpu_opt_ins_flattened_step_makes_no_host_sync_and_compiles_whole():
+    """The opt-in's attention over the offsets reads nothing back from the device, and a bfloat16 training step on a
+    flattened batch compiles with `fullgraph=True` and computes the eager step's loss."""
+    model = optimize_for_cpu_training(build(VanillaTransformerForConditionalGeneration))
+    batch = DataCollatorForSeq2SeqWithFlattening(model)(translation_features())
+    model(**batch).loss.backward()  # warm-up
+    with SyncCounter() as counter:
+        model(**batch).loss.backward()
+    assert sum(counter.syncs.values()) == 0, counter.syncs
+    compiled_model = torch.compile(model, fullgraph=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        compiled_loss, eager_loss = compiled_model(**batch).loss, model(**batch).loss
+    compiled_loss.backward()
+    torch.testing.assert_close(compiled_loss, eager_loss, rtol=2e-2, atol=2e-2)
+
+
 def varlen_attn_reference(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale, window_size, enable_gqa):
     """torch's `varlen_attn` (torch >= 2.12) as its docstring defines it, on the CPU: (tokens, heads, head_dim)
     inputs, int32 offsets, window (-1, 0) causal and (-1, -1) full, K/V heads shared by groups of query heads with
@@ -447,7 +509,9 @@ def test_positions_sequences_and_block_mask():
         [[1, 1, 0, 0, 0, 0]] * 3,
         [[0, 0, 1, 0, 0, 0], [0, 0, 0, 0, 0, 1], [0, 0, 0, 0, 0, 1]],
     ]
-    assert self_mask.dtype == torch.float32 and self_mask.max() == 0 and self_mask.min() == torch.finfo(torch.float32).min
+    assert (
+        self_mask.dtype == torch.float32 and self_mask.max() == 0 and self_mask.min() == torch.finfo(torch.float32).min
+    )
 
 
 @pytest.mark.parametrize("model_class", [VanillaTransformerForConditionalGeneration, VanillaTransformerForCausalLM])

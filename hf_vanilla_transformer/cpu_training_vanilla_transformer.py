@@ -27,6 +27,7 @@ What it gains on a training step is measured in docs/benchmarks.md ("CPU trainin
 are unchanged: the modules' names and weights are the model's, and the attention implementation is not saved.
 """
 
+import contextlib
 import functools
 import math
 import platform
@@ -98,23 +99,22 @@ def sdpa_cpu_training_attention(module, query, key, value, attention_mask, **kwa
     the offsets), under PyTorch's math kernel where that is the faster one (`math_kernel_is_faster`)."""
     if kwargs.get("cu_seq_lens_q") is not None:
         return sequence_grid_attention(module, query, key, value, **kwargs)
-    sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
-    if not math_kernel_is_faster(query, key):
-        return sdpa(module, query, key, value, attention_mask, **kwargs)
-    with sdpa_kernel(SDPBackend.MATH):
-        return sdpa(module, query, key, value, attention_mask, **kwargs)
+    with faster_sdpa_kernel(query, key):
+        return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, **kwargs)
 
 
-def math_kernel_is_faster(query: torch.Tensor, key: torch.Tensor) -> bool:
-    """bfloat16/float16 with gradients on a CPU, at sequences (the lengths the kernel sees) up to
-    `SHORT_SEQUENCE_ON_CPU`, outside torch.compile (which lowers attention its own way)."""
-    return (
+def faster_sdpa_kernel(query: torch.Tensor, key: torch.Tensor) -> contextlib.AbstractContextManager:
+    """PyTorch's math SDPA kernel for bfloat16/float16 with gradients on a CPU at sequences (the lengths the kernel
+    sees) up to `SHORT_SEQUENCE_ON_CPU`, outside torch.compile (which lowers attention its own way); elsewhere SDPA's
+    own choice."""
+    math_is_faster = (
         not is_torchdynamo_compiling()
         and query.device.type == "cpu"
         and query.dtype in (torch.bfloat16, torch.float16)
         and torch.is_grad_enabled()
         and max(query.shape[2], key.shape[2]) <= SHORT_SEQUENCE_ON_CPU
     )
+    return sdpa_kernel(SDPBackend.MATH) if math_is_faster else contextlib.nullcontext()
 
 
 def sequence_grid_attention(
@@ -141,15 +141,11 @@ def sequence_grid_attention(
     def on_grid(tensor: torch.Tensor, places: torch.Tensor) -> torch.Tensor:  # (sequences, heads, longest, head_dim)
         return tensor.transpose(0, 1).flatten(1, 2)[:, places].transpose(0, 1)
 
-    output = torch.nn.functional.scaled_dot_product_attention(
-        on_grid(query, query_places),
-        on_grid(key, key_places),
-        on_grid(value, key_places),
-        attn_mask=visible[:, None],
-        dropout_p=dropout,
-        scale=scaling,
-        enable_gqa=key.shape[1] != query.shape[1],
-    )
+    query, key, value = on_grid(query, query_places), on_grid(key, key_places), on_grid(value, key_places)
+    with faster_sdpa_kernel(query, key):
+        output = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, visible[:, None], dropout, scale=scaling, enable_gqa=key.shape[1] != query.shape[1]
+        )
     # Back to the tokens, each from its place in the grid (its sequence's row, its position in the sequence).
     tokens = torch.arange(rows * row_length, device=cu_seq_lens_q.device)
     starts = cu_seq_lens_q.long()

@@ -11,6 +11,7 @@ import torch
 from conftest import tiny_config
 
 from hf_vanilla_transformer import (
+    DataCollatorForSeq2SeqWithFlattening,
     VanillaTransformerForCausalLM,
     VanillaTransformerForConditionalGeneration,
     VanillaTransformerForMaskedLM,
@@ -76,6 +77,11 @@ def test_short_sequences_train_with_the_math_attention_kernel_on_cpu_in_bfloat16
     assert flash_kernel_use_in_a_step(model, short, torch.float32, grad=True) == {True}
     assert flash_kernel_use_in_a_step(model, short, torch.bfloat16, grad=False) == {True}
     assert flash_kernel_use_in_a_step(model, long, torch.bfloat16, grad=True) == {True, False}  # decoder: short
+    # A flattened batch: a row longer than SHORT_SEQUENCE_ON_CPU of short sentences, whose lengths the kernel sees.
+    features = [{"input_ids": [5] * (20 + i), "labels": [6] * (10 + i)} for i in range(10)]
+    flattened = DataCollatorForSeq2SeqWithFlattening(model)(features)
+    assert flattened["input_ids"].shape[1] > SHORT_SEQUENCE_ON_CPU
+    assert flash_kernel_use_in_a_step(model, flattened, torch.bfloat16, grad=True) == {False}
 
     model.zero_grad()
     eager = copy.deepcopy(model)

@@ -189,4 +189,5 @@ __all__ = [
     "keep_mask",
     "optimize_for_cpu_training",
     "sdpa_cpu_training_attention",
+    "sequence_grid_attention",
 ]

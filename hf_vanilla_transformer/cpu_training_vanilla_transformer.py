@@ -23,8 +23,9 @@ model's training step on a CPU more than they need to, and this switch changes t
   of the step. The same registered function is a variable-length kernel (`sequence_grid_attention`): it takes the
   offsets and runs each sequence in a row of a padded grid, at the cost of the sequences' own lengths.
 
-What it gains on a training step is measured in docs/benchmarks.md ("CPU training: the opt-in"). Saving and loading
-are unchanged: the modules' names and weights are the model's, and the attention implementation is not saved.
+What it gains on a training step is measured in docs/benchmarks.md ("What `optimize_for_cpu_training` gains").
+Saving and loading are unchanged: the modules' names and weights are the model's, and the attention implementation
+is not saved.
 """
 
 import contextlib
@@ -96,7 +97,7 @@ class CpuDropout(nn.Dropout):
 
 def sdpa_cpu_training_attention(module, query, key, value, attention_mask, **kwargs):
     """transformers' SDPA attention, sequence by sequence over a flattened batch (`sequence_grid_attention`, given
-    the offsets), under PyTorch's math kernel where that is the faster one (`math_kernel_is_faster`)."""
+    the offsets), under PyTorch's math kernel where that is the faster one (`faster_sdpa_kernel`)."""
     if kwargs.get("cu_seq_lens_q") is not None:
         return sequence_grid_attention(module, query, key, value, **kwargs)
     with faster_sdpa_kernel(query, key):

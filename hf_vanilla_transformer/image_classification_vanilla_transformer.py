@@ -33,7 +33,7 @@ from .router_losses_vanilla_transformer import RouterRequest
 
 # transformers lets `set_experts_implementation` and `from_pretrained(experts_implementation=...)` switch the experts
 # kernel of a model whose class is defined in a module that uses `@use_experts_implementation`. The heads here run the
-# experts of modeling_vanilla_transformer, which that decorator declares; this line declares them in this module too.
+# experts of modeling_vanilla_transformer, which that decorator declares; this comment declares them in this module too.
 
 
 def height_and_width(value: int | list[int] | tuple[int, int], name: str) -> tuple[int, int]:

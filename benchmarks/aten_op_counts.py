@@ -10,7 +10,10 @@ model runs it unless `optimize_for_cpu_training` is asked for), counted with a `
   * ours, flattened by `DataCollatorForSeq2SeqWithFlattening`, under its block masks (CPU: no variable-length kernel);
   * ours, the same sentences packed by it into rows of whole sentences (`row_length`), under block masks;
   * ours, flattened, where torch's `varlen_attn` runs (a GPU's default): here a stand-in custom op, one op forward
-    and one backward as the kernel is, that computes attention per sequence on the CPU.
+    and one backward as the kernel is, that computes attention per sequence on the CPU;
+  * ours, flattened, after `optimize_for_cpu_training` (what the training scripts run on a CPU): attention over the
+    offsets in a grid of the sequences (`sequence_grid_attention`), and on CPUs that sample dropout per element
+    (AMD, Arm) the `CpuDropout` masks.
 tests/test_accelerator_path.py asserts the last row's kernel ops against Marian's.
 """
 
@@ -32,6 +35,7 @@ from hf_vanilla_transformer import (
     VanillaTransformerForConditionalGeneration,
 )
 from hf_vanilla_transformer import modeling_vanilla_transformer as modeling
+from hf_vanilla_transformer import optimize_for_cpu_training
 from hf_vanilla_transformer import packing_vanilla_transformer as packing
 
 IGNORE_INDEX = -100
@@ -184,6 +188,7 @@ def main() -> None:
     rows["ours, packed rows, block mask"] = training_step_op_names(ours, packed_rows)
     with varlen_kernel_stand_in():
         rows["ours, flattened, varlen kernel"] = training_step_op_names(ours, flattened)
+    rows["ours, flattened, CPU opt-in"] = training_step_op_names(optimize_for_cpu_training(ours), flattened)
     results = {
         name: {"aten_ops": sum(names.values()), "kernel_ops": kernel_count(names)} for name, names in rows.items()
     }

@@ -130,8 +130,11 @@ def sequence_grid_attention(
     the variable-length kernel. query (rows, heads, row_length, head_dim), key and value (rows, kv_heads,
     source_row_length, head_dim) -> (rows, row_length, heads, head_dim), as transformers' SDPA returns it."""
     rows, row_length = query.shape[0], query.shape[2]
-    query_places, _ = sequence_grid(cu_seq_lens_q, max_length_q, rows * row_length)
-    key_places, key_seen = sequence_grid(cu_seq_lens_k, max_length_k, key.shape[0] * key.shape[2])
+    query_places, query_seen = sequence_grid(cu_seq_lens_q, max_length_q, rows * row_length)
+    if cu_seq_lens_k is cu_seq_lens_q:  # self-attention: the keys are the queries' own tokens
+        key_places, key_seen = query_places, query_seen
+    else:
+        key_places, key_seen = sequence_grid(cu_seq_lens_k, max_length_k, key.shape[0] * key.shape[2])
     visible = key_seen[:, None, :].expand(-1, max_length_q, -1)
     if module.is_causal:
         visible = visible.tril()
@@ -148,19 +151,19 @@ def sequence_grid_attention(
             query, key, value, visible[:, None], dropout, scale=scaling, enable_gqa=key.shape[1] != query.shape[1]
         )
     # Back to the tokens, each from its place in the grid (its sequence's row, its position in the sequence).
-    tokens = torch.arange(rows * row_length, device=cu_seq_lens_q.device)
-    starts = cu_seq_lens_q.long()
-    sequence_of_token = torch.searchsorted(starts[1:], tokens, right=True)
-    grid_place = sequence_of_token * max_length_q + tokens - starts[sequence_of_token]
+    tokens = torch.arange(rows * row_length, dtype=cu_seq_lens_q.dtype, device=cu_seq_lens_q.device)
+    sequence_of_token = torch.searchsorted(cu_seq_lens_q[1:], tokens, right=True, out_int32=True)
+    grid_place = sequence_of_token * max_length_q + tokens - cu_seq_lens_q[sequence_of_token]
     output = output.transpose(1, 2).flatten(0, 1)[grid_place]
     return output.view(rows, row_length, *output.shape[1:]), None
 
 
 def sequence_grid(cu_seq_lens: torch.Tensor, longest: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(sequences, longest) grids over a side's flattened tokens, from its offsets: each place's token index (places
-    past a sequence's end repeat a valid token) and whether the place holds one of the sequence's tokens."""
-    starts, lengths = cu_seq_lens[:-1].long(), (cu_seq_lens[1:] - cu_seq_lens[:-1]).long()
-    positions = torch.arange(longest, device=cu_seq_lens.device)
+    past a sequence's end repeat a valid token) and whether the place holds one of the sequence's tokens. In the
+    offsets' dtype (the collators' int32), which indexing takes as it is."""
+    starts, lengths = cu_seq_lens[:-1], cu_seq_lens[1:] - cu_seq_lens[:-1]
+    positions = torch.arange(longest, dtype=cu_seq_lens.dtype, device=cu_seq_lens.device)
     return (starts[:, None] + positions).clamp(max=tokens - 1), positions < lengths[:, None]
 
 
